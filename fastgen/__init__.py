@@ -1,0 +1,24 @@
+"""fastgen: faster text generation for Hugging Face Transformers and fairseq, same outputs.
+
+``import fastgen`` patches the installed frameworks (see :func:`status`); set
+``FASTGEN_DISABLE=1`` to import without patching, ``FASTGEN_FEATURES=a,b`` to pick features.
+"""
+
+import os
+
+from fastgen.optimizer.registry import (
+    active,
+    disable,
+    enable,
+    is_enabled,
+    known_features,
+    patched,
+    status,
+    unpatched,
+)
+
+__version__ = "0.1.0"
+__all__ = ["active", "disable", "enable", "is_enabled", "known_features", "patched", "status", "unpatched"]
+
+if os.environ.get("FASTGEN_DISABLE", "").strip().lower() not in {"1", "true", "yes"}:
+    enable()

@@ -1,0 +1,1 @@
+"""Per-architecture attention and cache rewrites (imports ops only)."""

@@ -1,0 +1,1 @@
+"""Kernels and their dispatch; imports torch only, never Transformers or fairseq."""

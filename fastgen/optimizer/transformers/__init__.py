@@ -1,0 +1,1 @@
+"""Replacements for Hugging Face Transformers; declared in :mod:`.patches`."""

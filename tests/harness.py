@@ -1,0 +1,314 @@
+"""Tiny seeded models and the equivalence assertion every optimisation is tested with.
+
+Models are built from configs with random weights (no downloads), small enough for CPU CI
+but real enough to exercise caches, padding, cross-attention, several layers and heads and,
+for Llama, grouped-query attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import transformers
+
+import fastgen
+
+VOCAB = 96
+PAD, BOS, EOS = 1, 0, 2
+
+_COMMON_SEQ2SEQ = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_position_embeddings=128,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    decoder_start_token_id=EOS,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    forced_eos_token_id=EOS,
+    # Untied, wider-than-default init: tiny tied models just repeat one token whatever the input.
+    init_std=0.1,
+    tie_word_embeddings=False,
+)
+_COMMON_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    initializer_range=0.3,
+)
+
+#: family -> (config class name, model class name, config kwargs)
+HF_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "bart": ("BartConfig", "BartForConditionalGeneration", _COMMON_SEQ2SEQ),
+    "mbart": ("MBartConfig", "MBartForConditionalGeneration", _COMMON_SEQ2SEQ),
+    "marian": ("MarianConfig", "MarianMTModel", {**_COMMON_SEQ2SEQ, "decoder_start_token_id": PAD}),
+    "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", {**_COMMON_SEQ2SEQ, "decoder_start_token_id": PAD}),
+    "t5": (
+        "T5Config",
+        "T5ForConditionalGeneration",
+        dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=32,
+            dropout_rate=0.0,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+            decoder_start_token_id=PAD,
+            initializer_factor=3.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+            initializer_range=0.3,
+        ),
+    ),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _COMMON_DECODER),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _COMMON_DECODER),
+}
+ENCODER_DECODER = ("bart", "mbart", "marian", "pegasus", "t5")
+DECODER_ONLY = ("gpt2", "llama", "qwen2")
+
+
+def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A seeded, randomly initialised tiny model of ``family`` in eval mode (fp32, CPU)."""
+    config_name, model_name, kwargs = HF_FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    # Random weights put little mass on EOS; leave generation_config at its defaults otherwise.
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def tiny_inputs(
+    model: transformers.PreTrainedModel, batch: int = 2, length: int = 12, seed: int = 1, padded: bool = True
+) -> dict[str, torch.Tensor]:
+    """Random token ids with an attention mask; row i is shorter by ``2*i`` tokens when ``padded``.
+
+    Decoder-only models get left padding (what HF expects for generation), encoder-decoder
+    models right padding.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=generator)
+    mask = torch.ones_like(ids)
+    if padded:
+        for row in range(batch):
+            pad = min(2 * row, length - 1)
+            if pad:
+                if model.config.is_encoder_decoder:
+                    mask[row, length - pad :] = 0
+                else:
+                    mask[row, :pad] = 0
+    ids = ids.masked_fill(mask == 0, PAD)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+# ------------------------------------------------------------------------------ equivalence
+
+
+def _first_mismatch(reference: torch.Tensor, candidate: torch.Tensor) -> str:
+    if reference.shape != candidate.shape:
+        return f"shapes differ: upstream {tuple(reference.shape)} vs fastgen {tuple(candidate.shape)}"
+    rows = (reference != candidate).any(dim=-1).nonzero().flatten().tolist()
+    row = rows[0]
+    return (
+        f"{len(rows)} row(s) differ, first row {row}:\n"
+        f" upstream {reference[row].tolist()}\n fastgen  {candidate[row].tolist()}"
+    )
+
+
+def assert_close_scores(reference: torch.Tensor, candidate: torch.Tensor, what: str, atol: float, rtol: float) -> None:
+    """Equal where either is infinite, close elsewhere; reports the worst element on failure."""
+    ref_inf, cand_inf = torch.isinf(reference), torch.isinf(candidate)
+    assert torch.equal(ref_inf, cand_inf) and torch.equal(reference[ref_inf], candidate[cand_inf]), (
+        f"{what}: -inf/+inf positions differ ({int((ref_inf != cand_inf).sum())} elements)"
+    )
+    finite = ~ref_inf
+    torch.testing.assert_close(candidate[finite], reference[finite], atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_same_generation(
+    model: transformers.PreTrainedModel,
+    inputs: dict[str, torch.Tensor],
+    *,
+    features: list[str] | None = None,
+    seed: int = 0,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    **generate_kwargs: Any,
+) -> tuple[Any, Any]:
+    """Run ``generate`` upstream (``fastgen.unpatched()``) and patched on the same inputs.
+
+    Sequences must be identical; ``sequences_scores`` and the per-step processed scores
+    must match within ``atol``/``rtol`` (fp32). Sampling is reseeded identically for both.
+    Returns both outputs so tests can assert more.
+    """
+    kwargs = {"return_dict_in_generate": True, "output_scores": True, **generate_kwargs}
+    with fastgen.unpatched():
+        torch.manual_seed(seed)
+        reference = model.generate(**inputs, **kwargs)
+    with fastgen.patched(features):
+        torch.manual_seed(seed)
+        candidate = model.generate(**inputs, **kwargs)
+    ref_seq = reference.sequences if kwargs["return_dict_in_generate"] else reference
+    cand_seq = candidate.sequences if kwargs["return_dict_in_generate"] else candidate
+    assert ref_seq.shape == cand_seq.shape and torch.equal(ref_seq, cand_seq), _first_mismatch(ref_seq, cand_seq)
+    if kwargs["return_dict_in_generate"]:
+        if getattr(reference, "sequences_scores", None) is not None:
+            assert_close_scores(reference.sequences_scores, candidate.sequences_scores, "sequences_scores", atol, rtol)
+        if reference.scores is not None:
+            assert len(reference.scores) == len(candidate.scores)
+            for step, (ref, cand) in enumerate(zip(reference.scores, candidate.scores, strict=True)):
+                assert_close_scores(ref, cand, f"scores at step {step}", atol, rtol)
+    return reference, candidate
+
+
+# ------------------------------------------------------------------------------ fairseq
+
+
+@contextlib.contextmanager
+def _keep_logging() -> Iterator[None]:
+    """fairseq sets the root logger to DEBUG on import; undo that for the test session."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        root.handlers[:] = handlers
+
+
+def tiny_fairseq_transformer(seed: int = 0, vocab: int = 64) -> tuple[Any, Any]:
+    """A seeded tiny fairseq ``transformer`` (2+2 layers, 4 heads) and its dictionary."""
+    with _keep_logging():
+        from fairseq.data import Dictionary
+        from fairseq.models.transformer import TransformerModel, base_architecture
+
+    dictionary = Dictionary()
+    for i in range(vocab - len(dictionary)):
+        dictionary.add_symbol(f"w{i}")
+    args = argparse.Namespace(
+        encoder_embed_dim=32,
+        encoder_ffn_embed_dim=64,
+        encoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_embed_dim=32,
+        decoder_ffn_embed_dim=64,
+        decoder_layers=2,
+        decoder_attention_heads=4,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        max_source_positions=256,
+        max_target_positions=256,
+        share_all_embeddings=True,
+        share_decoder_input_output_embed=True,
+    )
+    base_architecture(args)
+
+    class _Task:
+        source_dictionary = target_dictionary = dictionary
+
+    torch.manual_seed(seed)
+    model = TransformerModel.build_model(args, _Task()).eval()
+    return model, dictionary
+
+
+def tiny_fairseq_sample(dictionary: Any, batch: int = 3, length: int = 10, seed: int = 1) -> dict[str, Any]:
+    """A left-padded source batch (fairseq's default) with distinct lengths and EOS-terminated rows."""
+    generator = torch.Generator().manual_seed(seed)
+    nspecial = dictionary.nspecial
+    lengths = torch.tensor([max(2, length - 2 * i) for i in range(batch)])
+    tokens = torch.full((batch, length), dictionary.pad())
+    for row, n in enumerate(lengths.tolist()):
+        body = torch.randint(nspecial, len(dictionary), (n - 1,), generator=generator)
+        tokens[row, length - n :] = torch.cat([body, torch.tensor([dictionary.eos()])])
+    return {"id": torch.arange(batch), "net_input": {"src_tokens": tokens, "src_lengths": lengths}}
+
+
+def fairseq_generate(
+    model: Any, dictionary: Any, sample: dict[str, Any], seed: int = 0, **generator_kwargs: Any
+) -> list[list[dict[str, torch.Tensor]]]:
+    """``SequenceGenerator(...).generate`` as a fairseq user calls it."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    generator = SequenceGenerator([model], dictionary, **generator_kwargs)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return generator.generate([model], sample)
+
+
+def assert_same_fairseq_generation(
+    model: Any,
+    dictionary: Any,
+    sample: dict[str, Any],
+    *,
+    features: list[str] | None = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    **generator_kwargs: Any,
+) -> tuple[Any, Any]:
+    """fairseq counterpart of :func:`assert_same_generation`: hypotheses equal, scores close."""
+    with fastgen.unpatched():
+        reference = fairseq_generate(model, dictionary, sample, **generator_kwargs)
+    with fastgen.patched(features):
+        candidate = fairseq_generate(model, dictionary, sample, **generator_kwargs)
+    assert len(reference) == len(candidate)
+    for i, (ref_hypos, cand_hypos) in enumerate(zip(reference, candidate, strict=True)):
+        assert len(ref_hypos) == len(cand_hypos), f"sentence {i}: hypothesis counts differ"
+        for j, (ref, cand) in enumerate(zip(ref_hypos, cand_hypos, strict=True)):
+            assert torch.equal(ref["tokens"], cand["tokens"]), (
+                f"sentence {i} hypothesis {j}:\n upstream {ref['tokens'].tolist()}\n fastgen  {cand['tokens'].tolist()}"
+            )
+            assert math.isclose(float(ref["score"]), float(cand["score"]), rel_tol=rtol, abs_tol=atol)
+            assert_close_scores(
+                ref["positional_scores"], cand["positional_scores"], f"sentence {i} hypo {j}", atol, rtol
+            )
+    return reference, candidate
+
+
+def has_repeated_ngram(tokens: list[int], n: int) -> bool:
+    """True when some n-gram occurs twice in ``tokens`` (the property n-gram blocking prevents)."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(grams) != len(set(grams))

@@ -1,0 +1,174 @@
+"""The patch registry: apply, undo exactly, scope, version gates, lazy import, env switches."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import fastgen
+from fastgen.optimizer import registry
+from fastgen.optimizer.registry import Patch
+from tests.optimizer import fake_target as ft
+
+F = "tests.optimizer.fake_factories"
+T = "tests.optimizer.fake_target"
+
+
+def _patches(**extra):
+    return [
+        Patch("fake", f"{T}:greet", f"{F}:shout", "torch", ">=2", expects=("name",)),
+        Patch("fake", f"{T}:Processor.__call__", f"{F}:plus_hundred", "torch", ">=2"),
+        Patch("fake", f"{T}:Processor.expand", f"{F}:triple", "torch", ">=2"),
+        Patch("fake", f"{T}:Processor.build", f"{F}:tag_build", "torch", ">=2"),
+        Patch("other", f"{T}:Child.__call__", f"{F}:plus_hundred", "torch", ">=2"),
+        *extra.get("more", []),
+    ]
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):
+    """Swap the declared patches for the fake ones; leave fastgen as it was afterwards."""
+    was_enabled = registry.is_enabled()
+    fastgen.disable()
+    patches = _patches()
+    monkeypatch.setattr(registry, "declared_patches", lambda: patches)
+    yield patches
+    fastgen.disable()
+    monkeypatch.undo()
+    if was_enabled:
+        fastgen.enable()
+
+
+def _originals():
+    return {name: ft.Processor.__dict__[name] for name in ("__call__", "expand", "build")} | {"greet": ft.greet}
+
+
+def test_enable_applies_and_disable_restores_identity(fake_registry):
+    before = _originals()
+    fastgen.enable()
+    assert ft.greet("a") == "HELLO A"
+    assert ft.Processor()(1) == 102
+    assert ft.Processor.expand(7) == [7, 7, 7]
+    assert ft.Processor.build(3) == ((ft.Processor, 3), "patched")
+    assert ft.Child()(1) == 102 and "__call__" in ft.Child.__dict__
+    assert isinstance(ft.Processor.__dict__["expand"], staticmethod)
+    assert isinstance(ft.Processor.__dict__["build"], classmethod)
+    fastgen.disable()
+    after = _originals()
+    assert all(after[k] is before[k] for k in before)
+    assert "__call__" not in ft.Child.__dict__  # the inherited attribute is not left behind
+    assert ft.greet("a") == "hello a" and ft.Processor()(1) == 2
+
+
+def test_unpatched_runs_upstream_in_scope_only(fake_registry):
+    fastgen.enable()
+    with fastgen.unpatched():
+        assert ft.greet("a") == "hello a" and ft.Processor()(1) == 2 and not fastgen.active()
+    assert ft.greet("a") == "HELLO A" and fastgen.active()
+
+
+def test_patched_restores_previous_state(fake_registry):
+    assert not registry.is_enabled()
+    with fastgen.patched(["other"]):
+        assert ft.Child()(1) == 102 and ft.Processor()(1) == 2
+    assert not registry.is_enabled() and ft.Child()(1) == 2
+    fastgen.enable(["fake"])
+    with fastgen.patched():
+        assert ft.Child()(1) == 102
+    assert ft.Processor()(1) == 102 and "__call__" not in ft.Child.__dict__  # back to only "fake"
+
+
+def test_features_select_and_unknown_feature_is_an_error(fake_registry):
+    fastgen.enable(["other"])
+    assert ft.greet("a") == "hello a"
+    states = {row.target: row.state for row in fastgen.status()}
+    assert states[f"{T}:greet"].startswith("disabled: feature not selected")
+    assert states[f"{T}:Child.__call__"] == "applied"
+    with pytest.raises(ValueError, match="unknown fastgen feature"):
+        fastgen.enable(["nope"])
+
+
+def test_enable_twice_is_idempotent(fake_registry):
+    fastgen.enable()
+    fastgen.enable()
+    assert ft.greet("a") == "HELLO A"  # not "wrapped twice"
+    fastgen.disable()
+    assert ft.greet("a") == "hello a"
+
+
+def test_unsupported_version_is_skipped_with_reason(fake_registry, monkeypatch, caplog):
+    fake_registry.append(Patch("fake", f"{T}:greet", f"{F}:shout", "torch", "<1"))
+    fake_registry[0:1] = []
+    with caplog.at_level(logging.WARNING, logger="fastgen"):
+        fastgen.enable()
+    assert ft.greet("a") == "hello a"
+    row = next(r for r in fastgen.status() if r.target == f"{T}:greet")
+    assert row.state.startswith("skipped: torch ") and "outside the tested range <1" in row.state
+    assert any("outside the tested range" in r.message for r in caplog.records)
+
+
+def test_missing_package_moved_symbol_changed_signature_and_broken_factory(fake_registry):
+    fake_registry[:] = [
+        Patch("fake", "not_a_pkg.mod:f", f"{F}:shout", "not_a_pkg", ">=0"),
+        Patch("fake", f"{T}:Processor.gone", f"{F}:shout", "torch", ">=2"),
+        Patch("fake", f"{T}:greet", f"{F}:shout", "torch", ">=2", expects=("name", "extra")),
+        Patch("fake", f"{T}:Processor.expand", f"{F}:broken", "torch", ">=2"),
+    ]
+    fastgen.enable()
+    states = [row.state for row in fastgen.status()]
+    assert states[0] == "skipped: not_a_pkg is not installed"
+    assert states[1].startswith("skipped: target not found") and "symbol path may have changed" in states[1]
+    assert states[2] == "skipped: target signature changed: missing parameter(s) extra"
+    assert states[3].startswith("skipped: factory failed (RuntimeError: factory exploded)")
+    assert ft.greet("a") == "hello a" and ft.Processor.expand(1) == [1, 1]
+
+
+def test_patch_applied_when_module_is_imported_later(fake_registry):
+    name = "tests.optimizer.fake_lazy_target"
+    sys.modules.pop(name, None)
+    fake_registry.append(Patch("fake", f"{name}:compute", f"{F}:negate", "torch", ">=2"))
+    fastgen.enable()
+    assert next(r for r in fastgen.status() if r.target.startswith(name)).state.startswith("pending")
+    from tests.optimizer import fake_lazy_target
+
+    assert fake_lazy_target.compute(2) == -20
+    assert next(r for r in fastgen.status() if r.target.startswith(name)).state == "applied"
+    fastgen.disable()
+    assert fake_lazy_target.compute(2) == 20
+    sys.modules.pop(name, None)
+
+
+def test_fallback_warns_once_per_reason(fake_registry, caplog):
+    registry._state.warned.clear()
+    fastgen.enable()
+    with caplog.at_level(logging.WARNING, logger="fastgen"):
+        assert ft.Processor()(-5) == -4
+        assert ft.Processor()(-6) == -5
+    assert [r.message for r in caplog.records].count("fastgen[fake]: falling back to upstream: negative input") == 1
+
+
+def test_status_prints_a_table(fake_registry):
+    fastgen.enable()
+    text = str(fastgen.status())
+    assert text.splitlines()[0].split() == ["feature", "target", "state"]
+    assert f"{T}:Processor.__call__" in text and "applied" in text
+
+
+def _python(code: str, **env: str) -> str:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTGEN_")} | env
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, check=True)
+    return result.stdout.strip()
+
+
+def test_import_is_lazy_and_env_switches_work():
+    # Importing fastgen must not import fairseq (slow, and it reconfigures logging) nor HF generation.
+    out = _python(
+        "import sys, fastgen; print(fastgen.is_enabled(), 'fairseq' in sys.modules, "
+        "'transformers.generation.utils' in sys.modules)"
+    )
+    assert out == "True False False"
+    assert _python("import fastgen; print(fastgen.is_enabled())", FASTGEN_DISABLE="1") == "False"
+    code = "import fastgen; from fastgen.optimizer import registry; print(sorted(registry._state.enabled_features))"
+    assert _python(code, FASTGEN_FEATURES="") == "[]"  # empty selection: every feature
