@@ -5,3 +5,35 @@ from fastgen.optimizer.registry import Patch
 HF_VERSIONS = ">=5.15,<6"
 
 PATCHES: list[Patch] = []
+
+_DEDUP = "fastgen.optimizer.transformers.dedup"
+
+PATCHES += [
+    # Keep encoder states and mask at one row per input (encoder-decoder beam search / multi-sample).
+    Patch(
+        feature="dedup",
+        target="transformers.generation.utils:GenerationMixin._expand_inputs_for_generation",
+        factory=f"{_DEDUP}:make_expand_inputs",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("expand_size", "is_encoder_decoder", "input_ids"),
+    ),
+    # Confirm (beam-shared cross-attention cache) or undo (upstream expansion) per decoding mode.
+    Patch(
+        feature="dedup",
+        target="transformers.generation.utils:GenerationMixin._prepare_cache_for_generation",
+        factory=f"{_DEDUP}:make_prepare_cache",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length"),
+    ),
+    # Run beam queries grouped against the shared cross-attention K/V with the stock sdpa/eager kernels.
+    Patch(
+        feature="dedup",
+        target="transformers.modeling_utils:AttentionInterface.get_interface",
+        factory=f"{_DEDUP}:make_get_interface",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("attn_implementation", "default"),
+    ),
+]

@@ -1,0 +1,207 @@
+"""Beam-shared cross-attention for Transformers encoder-decoder models (FastSeq §4.1.2).
+
+Upstream beam search repeats the encoder states ``num_beams`` times, projects cross-attention
+K/V for every beam and ``index_select``s them at every step, although all beams of an input
+hold the same values. Here the encoder states stay at batch ``B``, the cross-attention K/V are
+projected and cached once per input, and attention treats an input's beams as extra query rows
+against that shared K/V (:mod:`fastgen.ops.attention`), so the stock SDPA / eager kernels do the
+work and the cache is ``1/num_beams`` of upstream's.
+
+Two pieces live here, both keyed on the model family table :data:`CROSS_ATTENTION_FAMILIES`:
+
+- :class:`BeamSharedCrossAttentionCache`, an ``EncoderDecoderCache`` whose beam reordering
+  leaves the cross-attention layers alone;
+- :func:`grouped_attention`, a wrapper around an attention function (as returned by
+  ``AttentionInterface.get_interface``) that runs shared-K/V calls grouped.
+
+Nothing here changes a call whose query and key batch sizes agree: only the dedup path (set up
+by :mod:`fastgen.optimizer.transformers.dedup`) produces the mismatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+from fastgen.ops.attention import group_beam_queries, layout_for_groups, ungroup_beam_output, ungroup_beam_rows
+
+log = logging.getLogger("fastgen")
+
+#: ``config.model_type`` -> the attention class its decoder uses for cross-attention.
+#: Every entry is verified against upstream generation in tests/models/test_dedup_encoder_decoder.py.
+#: These classes project cross K/V from ``key_value_states`` (batch B here), cache them in the
+#: ``EncoderDecoderCache`` cross layers, and call the attention function with
+#: ``(module, query, key, value, attention_mask, **kwargs)``; T5 also passes ``position_bias``
+#: (all zeros, ``(1, H, q, S)``, for cross-attention: T5 has no relative bias there).
+CROSS_ATTENTION_FAMILIES: dict[str, str] = {
+    "bart": "transformers.models.bart.modeling_bart.BartAttention",
+    "mbart": "transformers.models.mbart.modeling_mbart.MBartAttention",
+    "marian": "transformers.models.marian.modeling_marian.MarianAttention",
+    "pegasus": "transformers.models.pegasus.modeling_pegasus.PegasusAttention",
+    "t5": "transformers.models.t5.modeling_t5.T5Attention",
+}
+
+#: Attention implementations whose functions accept grouped queries unchanged (dense 4-D masks).
+GROUPABLE_IMPLEMENTATIONS = frozenset({"sdpa", "eager"})
+
+_SUPPORTED_CLASSES = frozenset(CROSS_ATTENTION_FAMILIES.values())
+
+
+@functools.cache
+def is_shared_kv_attention_module(cls: type) -> bool:
+    """True for the attention classes of :data:`CROSS_ATTENTION_FAMILIES` (and their subclasses)."""
+    return any(f"{klass.__module__}.{klass.__qualname__}" in _SUPPORTED_CLASSES for klass in cls.__mro__)
+
+
+def shared_cross_attention_problem(model: Any) -> str | None:
+    """Why ``model`` cannot share cross-attention K/V across beams, or None if it can."""
+    config = model.config
+    if not getattr(config, "is_encoder_decoder", False):
+        return "not an encoder-decoder model"
+    if config.model_type not in CROSS_ATTENTION_FAMILIES:
+        return f"model type {config.model_type!r} has no beam-shared cross-attention support yet"
+    configs = [config]
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is not None and getattr(decoder, "config", None) is not None:
+        configs.append(decoder.config)
+    for cfg in configs:
+        implementation = getattr(cfg, "_attn_implementation", None)
+        if implementation not in GROUPABLE_IMPLEMENTATIONS:
+            return f"attention implementation {implementation!r} (supported: sdpa, eager)"
+    return None
+
+
+class BeamSharedCrossAttentionCache(EncoderDecoderCache):
+    """``EncoderDecoderCache`` whose cross-attention layers hold one row per input, not per beam.
+
+    The self-attention cache has ``B*G`` rows (``G`` hypotheses per input, consecutive); the
+    cross-attention cache has ``B``. Beam search only ever reorders hypotheses *within* an input
+    (``beam_idx`` of input ``b`` lies in ``[b*G, b*G+G)``), and those share the cross K/V, so
+    :meth:`reorder_cache` skips the cross layers: no per-step copy of the largest cache.
+    """
+
+    @classmethod
+    def from_cache(cls, cache: EncoderDecoderCache) -> BeamSharedCrossAttentionCache:
+        """Wrap the (empty) caches ``generate`` just built for this call."""
+        return cls(cache.self_attention_cache, cache.cross_attention_cache)
+
+    def group_size(self, layer_idx: int = 0) -> int:
+        """Hypotheses per cross-attention row (1 once the caches have equal batch sizes)."""
+        self_keys = self.self_attention_cache.layers[layer_idx].keys
+        cross_keys = self.cross_attention_cache.layers[layer_idx].keys
+        if self_keys is None or cross_keys is None or cross_keys.shape[0] == 0:
+            return 1
+        return self_keys.shape[0] // cross_keys.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the self-attention cache only: beams of one input share their cross K/V."""
+        self.self_attention_cache.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat hypotheses; the shared cross rows then serve ``G * repeats`` rows each."""
+        self.check_dynamic_cache(self.batch_repeat_interleave.__name__)
+        self.self_attention_cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Arbitrary row selection breaks the grouping: give every row its own cross K/V first."""
+        self.check_dynamic_cache(self.batch_select_indices.__name__)
+        group = self.group_size()
+        if group > 1:
+            self.cross_attention_cache.batch_repeat_interleave(group)
+        self.self_attention_cache.batch_select_indices(indices)
+        self.cross_attention_cache.batch_select_indices(indices)
+
+
+def is_plain_dynamic_encoder_decoder_cache(cache: Any) -> bool:
+    """The cache ``generate`` builds by default (what :class:`BeamSharedCrossAttentionCache` wraps)."""
+    return (
+        type(cache) is EncoderDecoderCache
+        and type(cache.self_attention_cache) is DynamicCache
+        and type(cache.cross_attention_cache) is DynamicCache
+    )
+
+
+def cache_nbytes(cache: EncoderDecoderCache) -> tuple[int, int]:
+    """Bytes held by the (self-attention, cross-attention) K/V tensors of ``cache``."""
+
+    def nbytes(sub: Any) -> int:
+        total = 0
+        for layer in sub.layers:
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
+    return nbytes(cache.self_attention_cache), nbytes(cache.cross_attention_cache)
+
+
+AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def _run_grouped(
+    attention: AttentionFunction,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    batch = key.shape[0]
+    group = query.shape[0] // batch
+    q_len = query.shape[2]
+    mask = attention_mask
+    bias = kwargs.get("position_bias")
+    groupable = not module.training and not getattr(module, "is_causal", False) and not kwargs.get("is_causal")
+    if groupable and isinstance(mask, torch.Tensor):
+        mask = layout_for_groups(mask, batch, group, q_len)
+        groupable = mask is not None
+    elif mask is not None:  # e.g. a flex BlockMask: no grouped layout
+        groupable = False
+    if groupable and isinstance(bias, torch.Tensor):
+        bias = layout_for_groups(bias, batch, group, q_len)
+        groupable = bias is not None
+    if not groupable:
+        # Correct for any call, just not faster: give every hypothesis its own K/V, as upstream.
+        key, value = key.repeat_interleave(group, dim=0), value.repeat_interleave(group, dim=0)
+        return attention(module, query, key, value, attention_mask, *args, **kwargs)
+    if bias is not None:
+        kwargs = {**kwargs, "position_bias": bias}
+    output, weights = attention(module, group_beam_queries(query, group), key, value, mask, *args, **kwargs)
+    if weights is not None:
+        weights = ungroup_beam_rows(weights, group)
+    return ungroup_beam_output(output, group), weights
+
+
+@functools.cache
+def grouped_attention(attention: AttentionFunction) -> AttentionFunction:
+    """Wrap an attention function so shared-K/V cross-attention calls run grouped.
+
+    A call is grouped when the module is a supported cross-attention class and its query batch
+    is a multiple ``G > 1`` of the key batch (the dedup layout: ``B*G`` hypothesis rows over ``B``
+    cached inputs). Every other call goes to ``attention`` untouched. Cached per function so the
+    per-step lookup returns the same object.
+    """
+
+    @functools.wraps(attention)
+    def attention_with_shared_kv(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows, kv_rows = query.shape[0], key.shape[0]
+        if rows == kv_rows or kv_rows == 0 or rows % kv_rows or not is_shared_kv_attention_module(type(module)):
+            return attention(module, query, key, value, attention_mask, *args, **kwargs)
+        return _run_grouped(attention, module, query, key, value, attention_mask, args, kwargs)
+
+    return attention_with_shared_kv

@@ -1,0 +1,165 @@
+"""Attention of grouped beam queries over one shared key/value set per input.
+
+Beam search runs ``G`` hypotheses (beams, or returned samples) per input. Everything the
+hypotheses attend to that only depends on the input (encoder states for cross-attention, the
+prompt for decoder-only models) is identical across the ``G`` rows, so it can be kept once per
+input: ``key``/``value`` of shape ``(B, H, S, D)`` against queries of shape ``(B*G, H, q, D)``,
+where rows ``b*G .. b*G+G-1`` belong to input ``b`` (the order of ``repeat_interleave``, which
+is how Transformers and fairseq expand inputs).
+
+The layout helpers turn that into an ordinary attention problem with ``G*q`` query rows per
+input, so stock kernels (SDPA, eager matmul+softmax) run it unchanged and read each K/V once
+per input instead of once per hypothesis. :func:`shared_kv_attention` is the torch reference of
+the same computation that also returns the log-sum-exp, so a caller can merge it with attention
+over per-hypothesis keys (:func:`merge_attention_states`) without concatenating caches.
+
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "group_beam_queries",
+    "layout_for_groups",
+    "merge_attention_states",
+    "shared_kv_attention",
+    "ungroup_beam_output",
+    "ungroup_beam_rows",
+]
+
+
+def group_beam_queries(query: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(B*G, H, q, D) -> (B, H, G*q, D)``: a hypothesis' queries become extra rows of its input.
+
+    Row ``g*q + i`` of input ``b`` is query ``i`` of hypothesis ``b*G + g``. Copies (the head
+    axis moves), but only the small query tensor. Also lays out per-hypothesis masks/biases.
+    """
+    rows, heads, q_len, dim = query.shape
+    batch = rows // group_size
+    return (
+        query.reshape(batch, group_size, heads, q_len, dim)
+        .transpose(1, 2)
+        .reshape(batch, heads, group_size * q_len, dim)
+    )
+
+
+def ungroup_beam_output(output: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(B, G*q, H, D) -> (B*G, q, H, D)``: undo :func:`group_beam_queries` on a transposed output.
+
+    Attention functions in Transformers return ``(batch, q, heads, dim)``; in that layout the
+    grouped rows are already hypothesis-major, so this is a view (no copy) when contiguous.
+    """
+    batch, grouped_len = output.shape[:2]
+    return output.reshape(batch * group_size, grouped_len // group_size, *output.shape[2:])
+
+
+def ungroup_beam_rows(tensor: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(B, H, G*q, X) -> (B*G, H, q, X)``: undo :func:`group_beam_queries` (outputs, attention weights)."""
+    batch, heads, grouped_len = tensor.shape[:3]
+    q_len = grouped_len // group_size
+    rest = tensor.shape[3:]
+    return (
+        tensor.reshape(batch, heads, group_size, q_len, *rest)
+        .transpose(1, 2)
+        .reshape(batch * group_size, heads, q_len, *rest)
+    )
+
+
+def layout_for_groups(tensor: torch.Tensor, batch: int, group_size: int, q_len: int) -> torch.Tensor | None:
+    """Lay a 4-D mask or bias ``(b, h, qq, S)`` out for grouped queries ``(B, H, G*q, S)``.
+
+    ``b`` may be 1 or ``B`` (shared by an input's hypotheses: returned as is when ``qq == 1``, so
+    it broadcasts over the ``G*q`` rows) or ``B*G`` (one per hypothesis: regrouped like the
+    queries). ``qq`` is 1 or ``q``. Returns None for any other shape, so the caller can fall back.
+    """
+    if tensor.dim() != 4:
+        return None
+    rows, heads, mask_q, kv_len = tensor.shape
+    if mask_q not in (1, q_len):
+        return None
+    if rows == batch * group_size and group_size > 1:
+        if mask_q != q_len:
+            tensor = tensor.expand(rows, heads, q_len, kv_len)
+        return group_beam_queries(tensor, group_size)
+    if rows in (1, batch):
+        if mask_q == 1:
+            return tensor
+        return (
+            tensor.unsqueeze(2)
+            .expand(rows, heads, group_size, q_len, kv_len)
+            .reshape(rows, heads, group_size * q_len, kv_len)
+        )
+    return None
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf")).expand(mask.shape)
+
+
+def shared_kv_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``B*G`` hypothesis rows over ``B`` shared key/value sets, with its log-sum-exp.
+
+    Args:
+        query: ``(B*G, H, q, D)``; rows ``b*G .. b*G+G-1`` belong to input ``b``.
+        key: ``(B, Hkv, S, D)`` and value ``(B, Hkv, S, Dv)``; ``H`` must be a multiple of ``Hkv``
+            (grouped-query attention: query head ``h`` reads key head ``h // (H // Hkv)``).
+        attn_mask: optional 4-D mask, boolean (True = attend) or additive float, of shape
+            ``(1 | B | B*G, 1 | H, 1 | q, S)``.
+        scale: score scale, default ``D ** -0.5``.
+
+    Returns:
+        ``out`` ``(B*G, H, q, Dv)`` in the query dtype, and ``lse`` ``(B*G, H, q)`` in float32:
+        ``log(sum_s exp(score_s))`` over the attended keys. A row that attends to nothing has
+        ``lse = -inf`` and ``out = 0``, which :func:`merge_attention_states` treats as empty.
+
+    Computes in float32 (this is the reference; kernels must match it within dtype tolerance).
+    """
+    rows, heads, q_len, dim = query.shape
+    batch, kv_heads = key.shape[:2]
+    if rows % batch or heads % kv_heads:
+        raise ValueError(f"query rows/heads {rows}/{heads} are not multiples of key rows/heads {batch}/{kv_heads}")
+    group_size = rows // batch
+    if kv_heads != heads:
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    scale = dim**-0.5 if scale is None else scale
+    grouped = group_beam_queries(query, group_size).float()
+    scores = torch.matmul(grouped, key.float().transpose(-1, -2)) * scale
+    if attn_mask is not None:
+        laid_out = layout_for_groups(attn_mask, batch, group_size, q_len)
+        if laid_out is None:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not fit query {tuple(query.shape)}")
+        scores = scores + _additive(laid_out, scores.dtype)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(probs), probs)
+    out = torch.matmul(probs, value.float())
+    return ungroup_beam_rows(out, group_size).to(query.dtype), ungroup_beam_rows(lse.unsqueeze(-1), group_size)[..., 0]
+
+
+def merge_attention_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets into attention over their union.
+
+    ``out_*`` are ``(..., q, Dv)`` and ``lse_*`` ``(..., q)`` as returned by
+    :func:`shared_kv_attention`. Softmax over the union is the lse-weighted mix of the parts;
+    a part with ``lse = -inf`` (nothing attended) contributes nothing.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = ~torch.isneginf(lse)
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    weight_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    weight_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    out = weight_a * out_a.float() + weight_b * out_b.float()
+    return out.to(out_a.dtype), lse

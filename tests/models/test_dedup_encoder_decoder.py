@@ -1,0 +1,235 @@
+"""Beam-shared cross-attention (feature "dedup") for Transformers encoder-decoder models.
+
+Every case runs upstream (``fastgen.unpatched()``) and patched generation on the same tiny
+seeded model and padded batch: sequences must be identical, scores close (see ``_tolerance``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.modeling_outputs import BaseModelOutput
+
+import fastgen
+from fastgen.models import encoder_decoder
+from fastgen.models.encoder_decoder import CROSS_ATTENTION_FAMILIES, BeamSharedCrossAttentionCache, cache_nbytes
+from tests import harness
+
+BATCH = 3
+NEW_TOKENS = 10
+
+CASES: dict[str, dict[str, Any]] = {
+    "beam": dict(num_beams=4),
+    "beam_no_repeat": dict(num_beams=4, no_repeat_ngram_size=2),
+    "beam_return_2": dict(num_beams=4, num_return_sequences=2),
+    "beam_sample": dict(num_beams=3, do_sample=True, top_k=20),
+    "sample_return_3": dict(do_sample=True, num_return_sequences=3),
+    "greedy": dict(),
+}
+
+
+def _tolerance(family: str) -> dict[str, float]:
+    """SDPA's CPU kernel rounds a block of M grouped query rows differently from M single rows (~1 ulp).
+
+    The tiny T5 (initializer_factor=3, unscaled attention) has log-probs of magnitude ~300 and very
+    sharp softmaxes, which turns those ulps into ~1e-3 absolute (3e-6 relative to the scale);
+    the other families stay within 1e-6. Eager attention is bitwise identical in these tests.
+    """
+    return {"atol": 5e-3, "rtol": 1e-5} if family == "t5" else {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.fixture(scope="module", params=harness.ENCODER_DECODER)
+def model(request: pytest.FixtureRequest) -> transformers.PreTrainedModel:
+    return harness.tiny_hf_model(request.param)
+
+
+def _generate(model: transformers.PreTrainedModel, inputs: dict[str, torch.Tensor], **kwargs: Any) -> Any:
+    return model.generate(**inputs, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True, **kwargs)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_generation(model: transformers.PreTrainedModel, case: str) -> None:
+    inputs = harness.tiny_inputs(model, batch=BATCH)
+    _, patched = harness.assert_same_generation(
+        model,
+        inputs,
+        features=["dedup"],
+        max_new_tokens=NEW_TOKENS,
+        **_tolerance(model.config.model_type),
+        **CASES[case],
+    )
+    shared = case != "greedy"  # greedy has nothing to share and must stay upstream's
+    assert isinstance(patched.past_key_values, BeamSharedCrossAttentionCache) == shared
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_eager_attention_and_returned_internals(family: str) -> None:
+    """Eager kernels; per-beam cross-attention weights and hidden states as upstream returns them."""
+    model = harness.tiny_hf_model(family)
+    model.set_attn_implementation("eager")
+    inputs = harness.tiny_inputs(model, batch=BATCH)
+    reference, patched = harness.assert_same_generation(
+        model,
+        inputs,
+        features=["dedup"],
+        max_new_tokens=6,
+        num_beams=3,
+        output_attentions=True,
+        output_hidden_states=True,
+    )
+    for name in ("encoder_hidden_states", "encoder_attentions", "decoder_hidden_states", "cross_attentions"):
+        ref_flat, new_flat = _flatten(getattr(reference, name)), _flatten(getattr(patched, name))
+        assert len(ref_flat) == len(new_flat) > 0, name
+        for ref, new in zip(ref_flat, new_flat, strict=True):
+            assert ref.shape == new.shape, name
+            torch.testing.assert_close(new, ref, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _flatten(nested: Any) -> list[torch.Tensor]:
+    if isinstance(nested, torch.Tensor):
+        return [nested]
+    return [tensor for item in nested for tensor in _flatten(item)]
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_decoder_prompt_longer_than_one_token(family: str) -> None:
+    """A decoder prompt makes the first step attend with q > 1 rows per beam (mask/bias tiled per beam)."""
+    model = harness.tiny_hf_model(family)
+    inputs = harness.tiny_inputs(model, batch=BATCH)
+    start = model.generation_config.decoder_start_token_id
+    prompt = torch.tensor([[start, 7, 9]] * BATCH)
+    harness.assert_same_generation(
+        model,
+        {**inputs, "decoder_input_ids": prompt},
+        features=["dedup"],
+        max_new_tokens=6,
+        num_beams=3,
+        **_tolerance(family),
+    )
+
+
+def test_cross_attention_cache_is_shared_and_never_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = harness.tiny_hf_model("bart")
+    inputs = harness.tiny_inputs(model, batch=BATCH)
+    beams = 4
+    steps: list[tuple[list[tuple[int, int]], list[int]]] = []
+
+    def record(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        cache = output.past_key_values
+        cross = [(layer.keys.data_ptr(), layer.keys.shape[0]) for layer in cache.cross_attention_cache.layers]
+        steps.append((cross, [layer.keys.shape[0] for layer in cache.self_attention_cache.layers]))
+
+    reordered: list[int] = []
+    original_reorder = DynamicCache.reorder_cache
+
+    def spy_reorder(self: DynamicCache, beam_idx: torch.LongTensor) -> None:
+        reordered.append(id(self))
+        original_reorder(self, beam_idx)
+
+    monkeypatch.setattr(DynamicCache, "reorder_cache", spy_reorder)
+    grouped_calls = []
+    original_group = encoder_decoder.group_beam_queries
+
+    def spy_group(query: torch.Tensor, group_size: int) -> torch.Tensor:
+        grouped_calls.append(group_size)
+        return original_group(query, group_size)
+
+    monkeypatch.setattr(encoder_decoder, "group_beam_queries", spy_group)
+    handle = model.get_decoder().register_forward_hook(record, with_kwargs=True)
+    try:
+        with fastgen.patched(["dedup"]):
+            out = _generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS)
+    finally:
+        handle.remove()
+
+    cache = out.past_key_values
+    assert isinstance(cache, BeamSharedCrossAttentionCache)
+    assert len(steps) == NEW_TOKENS
+    first_cross = steps[0][0]
+    assert all(rows == BATCH for _, rows in first_cross), "cross-attention K/V must hold one row per input"
+    assert all(cross == first_cross for cross, _ in steps), "cross-attention K/V must not be copied per step"
+    assert all(rows == BATCH * beams for _, self_rows in steps for rows in self_rows)
+    # Beam reordering touched the self-attention cache every step and the cross cache never.
+    assert reordered and set(reordered) == {id(cache.self_attention_cache)}
+    assert len(reordered) == NEW_TOKENS
+    # Every cross-attention call of every step ran grouped (beams as query rows), none expanded.
+    assert grouped_calls == [beams] * (NEW_TOKENS * model.config.decoder_layers)
+
+
+def test_cross_attention_cache_bytes_are_one_over_beams() -> None:
+    model = harness.tiny_hf_model("bart")
+    inputs = harness.tiny_inputs(model, batch=BATCH)
+    beams = 4
+    with fastgen.unpatched():
+        upstream = _generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS).past_key_values
+    with fastgen.patched(["dedup"]):
+        shared = _generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS).past_key_values
+    assert type(upstream) is EncoderDecoderCache
+    upstream_self, upstream_cross = cache_nbytes(upstream)
+    shared_self, shared_cross = cache_nbytes(shared)
+    assert shared_self == upstream_self
+    assert shared_cross * beams == upstream_cross
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param(dict(cache_implementation="static"), id="static-cache"),
+        pytest.param(dict(use_cache=False), id="no-cache"),
+    ],
+)
+def test_unsupported_cache_falls_back_to_upstream(kwargs: dict[str, Any]) -> None:
+    model = harness.tiny_hf_model("bart")
+    inputs = harness.tiny_inputs(model, batch=2)
+    _, patched = harness.assert_same_generation(
+        model, inputs, features=["dedup"], max_new_tokens=5, num_beams=3, **kwargs
+    )
+    assert not isinstance(patched.past_key_values, BeamSharedCrossAttentionCache)
+
+
+def test_precomputed_encoder_outputs() -> None:
+    """Precomputed encoder_outputs take the shared path (and, unlike upstream, are not expanded in place)."""
+    model = harness.tiny_hf_model("marian")
+    inputs = harness.tiny_inputs(model, batch=2)
+    with torch.no_grad():
+        hidden = model.get_encoder()(**inputs).last_hidden_state
+    kwargs = dict(attention_mask=inputs["attention_mask"], num_beams=3, output_scores=True)
+    with fastgen.unpatched():
+        reference = _generate(model, {}, encoder_outputs=BaseModelOutput(last_hidden_state=hidden.clone()), **kwargs)
+    encoder_outputs = BaseModelOutput(last_hidden_state=hidden.clone())
+    with fastgen.patched(["dedup"]):
+        patched = _generate(model, {}, encoder_outputs=encoder_outputs, **kwargs)
+    assert torch.equal(reference.sequences, patched.sequences)
+    torch.testing.assert_close(patched.sequences_scores, reference.sequences_scores, atol=1e-5, rtol=1e-5)
+    assert isinstance(patched.past_key_values, BeamSharedCrossAttentionCache)
+    assert encoder_outputs.last_hidden_state.shape[0] == 2
+
+
+def test_decoder_only_and_unsupported_families_are_untouched() -> None:
+    model = harness.tiny_hf_model("gpt2")
+    inputs = harness.tiny_inputs(model, batch=2)
+    _, patched = harness.assert_same_generation(model, inputs, features=["dedup"], max_new_tokens=5, num_beams=3)
+    assert type(patched.past_key_values) is DynamicCache
+
+
+def test_patches_are_declared_and_applied() -> None:
+    with fastgen.patched(["dedup"]):
+        states = {row.target: row.state for row in fastgen.status() if row.feature == "dedup"}
+    assert len(states) == 3
+    assert set(states.values()) == {"applied"}, states
+
+
+@pytest.mark.parametrize("family", harness.ENCODER_DECODER)
+def test_family_table_matches_models(family: str) -> None:
+    """The support table names exactly the tested families, and the classes their decoders really use."""
+    assert set(CROSS_ATTENTION_FAMILIES) == set(harness.ENCODER_DECODER)
+    model = harness.tiny_hf_model(family)
+    module_name, _, class_name = CROSS_ATTENTION_FAMILIES[model.config.model_type].rpartition(".")
+    attention_class = getattr(importlib.import_module(module_name), class_name)
+    decoder_attention = {type(m) for m in model.get_decoder().modules() if isinstance(m, attention_class)}
+    assert decoder_attention == {attention_class}
