@@ -65,6 +65,8 @@ def shared_cross_attention_problem(model: Any) -> str | None:
         return "not an encoder-decoder model"
     if config.model_type not in CROSS_ATTENTION_FAMILIES:
         return f"model type {config.model_type!r} has no beam-shared cross-attention support yet"
+    if hasattr(model, "_reorder_cache"):
+        return "the model reorders its cache itself (_reorder_cache)"
     configs = [config]
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if decoder is not None and getattr(decoder, "config", None) is not None:
