@@ -94,11 +94,14 @@ class BeamSharedCrossAttentionCache(EncoderDecoderCache):
 
     def group_size(self, layer_idx: int = 0) -> int:
         """Hypotheses per cross-attention row (1 once the caches have equal batch sizes)."""
-        self_keys = self.self_attention_cache.layers[layer_idx].keys
-        cross_keys = self.cross_attention_cache.layers[layer_idx].keys
-        if self_keys is None or cross_keys is None or cross_keys.shape[0] == 0:
-            return 1
-        return self_keys.shape[0] // cross_keys.shape[0]
+        rows = []
+        for cache in (self.self_attention_cache, self.cross_attention_cache):
+            layers = cache.layers
+            keys = getattr(layers[layer_idx], "keys", None) if layer_idx < len(layers) else None
+            if not isinstance(keys, torch.Tensor) or keys.numel() == 0:
+                return 1
+            rows.append(keys.shape[0])
+        return rows[0] // rows[1]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the self-attention cache only: beams of one input share their cross K/V."""
