@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import fastgen
-from benchmarks.measure import environment, kv_cache_bytes, timed
+from benchmarks.measure import environment, timed
 from benchmarks.scenarios import SCENARIOS, Scenario
 
 RESULTS = Path(__file__).parent / "results"
@@ -29,15 +29,13 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def run_scenario(scenario: Scenario, device: str, dtype: str, rounds: int, overrides: dict[str, Any]) -> dict:
     settings = scenario.settings(device) | {k: v for k, v in overrides.items() if v is not None}
-    model = scenario.build_model(device, DTYPES[dtype])
-    inputs = scenario.inputs(model, settings["batch"], settings["input_len"])
+    call = scenario.prepare(device, DTYPES[dtype], settings)
     n = settings["new_tokens"]
-    kwargs = dict(scenario.generate, max_new_tokens=n, min_new_tokens=n, return_dict_in_generate=True)
 
     def generate(variant: str) -> tuple[Any, float, int]:
         scope = fastgen.unpatched() if variant == "baseline" else fastgen.patched()
         with scope, torch.inference_mode():
-            return timed(lambda: model.generate(**inputs, **kwargs), device)
+            return timed(call, device)
 
     samples: dict[str, list[float]] = {"baseline": [], "fastgen": []}
     peaks: dict[str, list[int]] = {"baseline": [], "fastgen": []}
@@ -72,7 +70,7 @@ def run_scenario(scenario: Scenario, device: str, dtype: str, rounds: int, overr
             "samples_per_s": batch / median,
             "new_tokens_per_s": batch * n / median,
             "peak_memory_bytes": max(peaks[variant]),
-            "kv_cache_bytes": kv_cache_bytes(getattr(outputs[variant], "past_key_values", None)),
+            "kv_cache_bytes": outputs[variant].kv_cache_bytes,
         }
     result["speedup"] = result["baseline"]["median_s"] / result["fastgen"]["median_s"]
     base_cross = result["baseline"]["kv_cache_bytes"].get("cross_attention")

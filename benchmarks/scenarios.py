@@ -7,14 +7,27 @@ forced with ``min_new_tokens == max_new_tokens`` (every hypothesis runs the full
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import transformers
 
+from benchmarks.measure import kv_cache_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What one timed call returns: the token ids (for the identity check) and the KV-cache bytes."""
+
+    sequences: torch.Tensor
+    kv_cache_bytes: dict[str, int]
+
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
+    """An HF model shape and generation settings; :meth:`prepare` returns the call to time."""
+
     name: str
     config_class: str
     model_class: str
@@ -32,11 +45,19 @@ class Scenario:
         base = {"batch": self.batch, "input_len": self.input_len, "new_tokens": self.new_tokens}
         return base | (self.cuda if device == "cuda" else {})
 
-    def build_model(self, device: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    def prepare(self, device: str, dtype: torch.dtype, settings: dict[str, Any]) -> Callable[[], Generation]:
         config = getattr(transformers, self.config_class)(**self.config)
         torch.manual_seed(0)
-        model = getattr(transformers, self.model_class)(config)
-        return model.to(device=device, dtype=dtype).eval()
+        model = getattr(transformers, self.model_class)(config).to(device=device, dtype=dtype).eval()
+        inputs = self.inputs(model, settings["batch"], settings["input_len"])
+        n = settings["new_tokens"]
+        kwargs = dict(self.generate, max_new_tokens=n, min_new_tokens=n, return_dict_in_generate=True)
+
+        def run() -> Generation:
+            out = model.generate(**inputs, **kwargs)
+            return Generation(out.sequences, kv_cache_bytes(getattr(out, "past_key_values", None)))
+
+        return run
 
     def inputs(self, model: transformers.PreTrainedModel, batch: int, input_len: int) -> dict[str, torch.Tensor]:
         """Random ids, the last row shorter by a quarter (padding exercised, on the side HF expects)."""
@@ -53,6 +74,50 @@ class Scenario:
         ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
         device = model.device
         return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FairseqScenario(Scenario):
+    """A fairseq ``transformer`` (``config`` holds its architecture args) run by ``SequenceGenerator``.
+
+    ``min_len == max_len`` forces equal work; the cache bytes of fairseq's incremental state
+    are not reported (the generator keeps them internal).
+    """
+
+    def prepare(self, device: str, dtype: torch.dtype, settings: dict[str, Any]) -> Callable[[], Generation]:
+        import argparse
+
+        from fairseq.data import Dictionary
+        from fairseq.models.transformer import TransformerModel, base_architecture
+        from fairseq.sequence_generator import SequenceGenerator
+
+        dictionary = Dictionary()
+        for i in range(self.config["vocab_size"] - len(dictionary)):
+            dictionary.add_symbol(f"w{i}")
+        args = argparse.Namespace(**{k: v for k, v in self.config.items() if k != "vocab_size"})
+        base_architecture(args)
+
+        class _Task:
+            source_dictionary = target_dictionary = dictionary
+
+        torch.manual_seed(0)
+        model = TransformerModel.build_model(args, _Task()).to(device=device, dtype=dtype).eval()
+        batch, length, n = settings["batch"], settings["input_len"], settings["new_tokens"]
+        generator = torch.Generator().manual_seed(1)
+        tokens = torch.randint(dictionary.nspecial, len(dictionary), (batch, length), generator=generator)
+        tokens[:, -1] = dictionary.eos()
+        sample = {
+            "net_input": {"src_tokens": tokens.to(device), "src_lengths": torch.full((batch,), length).to(device)}
+        }
+        search = SequenceGenerator([model], dictionary, max_len_a=0, max_len_b=n, min_len=n, **self.generate)
+
+        def run() -> Generation:
+            hypos = search.generate([model], sample)
+            best = [h[0]["tokens"] for h in hypos]
+            padded = torch.nn.utils.rnn.pad_sequence(best, batch_first=True, padding_value=dictionary.pad())
+            return Generation(padded, {})
+
+        return run
 
 
 _BART = dict(
@@ -203,6 +268,30 @@ SCENARIOS: dict[str, Scenario] = {
             generate=dict(num_beams=4),
             cuda=dict(batch=16, input_len=1024, new_tokens=128),
             note="Llama-shaped decoder (GQA 16/4 heads, RoPE), 512-token prompt: beam 4",
+        ),
+        FairseqScenario(
+            "fairseq-transformer",
+            "",
+            "",
+            dict(
+                vocab_size=32000,
+                encoder_embed_dim=512,
+                encoder_ffn_embed_dim=2048,
+                encoder_layers=6,
+                encoder_attention_heads=8,
+                decoder_embed_dim=512,
+                decoder_ffn_embed_dim=2048,
+                decoder_layers=6,
+                decoder_attention_heads=8,
+                share_all_embeddings=True,
+                dropout=0.0,
+            ),
+            batch=8,
+            input_len=128,
+            new_tokens=48,
+            generate=dict(beam_size=4, no_repeat_ngram_size=3),
+            cuda=dict(batch=64, input_len=256, new_tokens=128),
+            note="fairseq transformer (6+6, d=512) via SequenceGenerator: beam 4, no-repeat 3",
         ),
     ]
 }
