@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
-if ! "$VPY" -c "import fastgen, transformers, triton, fairseq" >/dev/null 2>&1; then
+if ! { [ -x .venv/bin/ruff ] && "$VPY" -c "import fastgen, transformers, triton, fairseq, pytest, hypothesis"; } >/dev/null 2>&1; then
   "$VPY" -m pip install -q --upgrade pip
   # torch: the CPU build (a plain "torch" may pull a multi-GB CUDA build). Keep a torch already present.
   "$VPY" -c "import torch" >/dev/null 2>&1 || "$VPY" -m pip install -q "torch==${FASTGEN_TORCH_VERSION:-2.13.0}"

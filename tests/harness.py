@@ -256,6 +256,10 @@ def tiny_fairseq_transformer(seed: int = 0, vocab: int = 64) -> tuple[Any, Any]:
 
     torch.manual_seed(seed)
     model = TransformerModel.build_model(args, _Task()).eval()
+    with torch.no_grad():  # wider init: at fairseq's default a tiny model ignores its input
+        for name, param in model.named_parameters():
+            if param.dim() == 2 and "embed" not in name:
+                param.mul_(2.0)
     return model, dictionary
 
 

@@ -3,5 +3,23 @@
 from fastgen.optimizer.registry import Patch
 
 FAIRSEQ_VERSIONS = ">=0.12.2,<0.13"
+_DEDUP = "fastgen.optimizer.fairseq.dedup"
 
-PATCHES: list[Patch] = []
+PATCHES: list[Patch] = [
+    Patch(
+        "dedup",
+        "fairseq.sequence_generator:SequenceGenerator._generate",
+        f"{_DEDUP}:make_generate",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "sample", "prefix_tokens", "constraints", "bos_token"),
+    ),
+    Patch(
+        "dedup",
+        "fairseq.sequence_generator:EnsembleModel.reorder_encoder_out",
+        f"{_DEDUP}:make_reorder_encoder_out",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "encoder_outs", "new_order"),
+    ),
+]

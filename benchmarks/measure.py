@@ -1,0 +1,138 @@
+"""What a benchmark run records: wall time, peak memory, KV-cache bytes, environment facts."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class _RssSampler(threading.Thread):
+    """Samples this process's resident set every few ms: CPU peak memory of one call."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.peak = self.base = _rss_bytes()
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, _rss_bytes())
+            self._done.wait(self.interval)
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        return max(self.peak, _rss_bytes()) - self.base
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed(fn: Callable[[], Any], device: str) -> tuple[Any, float, int]:
+    """Run ``fn`` once: (result, seconds, peak memory in bytes above the memory before the call).
+
+    On CUDA the peak is ``max_memory_allocated`` minus what was allocated before; on CPU it
+    is the peak resident set sampled during the call minus the resident set before it.
+    """
+    synchronize(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        sampler = _RssSampler()
+        sampler.start()
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - before if device == "cuda" else sampler.stop()
+    return result, seconds, peak
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (an expanded view costs nothing extra)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _layer_tensors(cache: Any) -> list[torch.Tensor]:
+    tensors = []
+    for layer in getattr(cache, "layers", []):
+        tensors += [getattr(layer, "keys", None), getattr(layer, "values", None)]
+    return [t for t in tensors if t is not None]
+
+
+def kv_cache_bytes(cache: Any) -> dict[str, int]:
+    """Self- and cross-attention cache bytes of an HF 5.x cache (``EncoderDecoderCache`` or ``DynamicCache``)."""
+    if cache is None:
+        return {}
+    if hasattr(cache, "self_attention_cache"):
+        return {
+            "self_attention": _storage_bytes(_layer_tensors(cache.self_attention_cache)),
+            "cross_attention": _storage_bytes(_layer_tensors(cache.cross_attention_cache)),
+        }
+    return {"self_attention": _storage_bytes(_layer_tensors(cache))}
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Device and versions, so a result can be compared only with like results."""
+    import transformers
+
+    import fastgen
+
+    facts: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "fastgen": fastgen.__version__,
+        "git_commit": _git_commit(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device == "cuda":
+        facts["device"] = torch.cuda.get_device_name()
+        facts["cuda"] = torch.version.cuda
+    else:
+        facts["device"] = _cpu_name()
+        facts["cpu_count"] = os.cpu_count()
+    return facts
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None

@@ -1,0 +1,47 @@
+"""Regenerates the README's results table from ``benchmarks/results/*.json``.
+
+python -m benchmarks.report          # rewrite the table between the README markers
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def _row(r: dict) -> str | None:
+    if "baseline" not in r or "speedup" not in r:
+        return None  # not a generation result (e.g. an op micro-benchmark)
+    s, b, f = r["settings"], r["baseline"], r["fastgen"]
+    cross = r.get("cross_attention_cache_ratio")
+    return (
+        f"| {r['scenario']} | {r['environment']['device']} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
+        f"{s['dtype']} | {b['new_tokens_per_s']:.1f} | {f['new_tokens_per_s']:.1f} | **{r['speedup']:.2f}×** | "
+        f"{'—' if cross is None else f'{cross:.3f}'} | {'yes' if r['identical_outputs'] else 'NO'} | "
+        f"{r['environment'].get('git_commit') or '?'} |"
+    )
+
+
+def table() -> str:
+    rows = [_row(json.loads(p.read_text())) for p in sorted(RESULTS.glob("*.json"))]
+    header = (
+        "| scenario | device | batch×input→new, dtype | upstream tok/s | fastgen tok/s | speedup "
+        "| cross-attn cache (fastgen/upstream) | identical | commit |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    return "\n".join([header, *[r for r in rows if r]])
+
+
+def main() -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    readme.write_text(text[:start] + "\n" + table() + "\n" + text[end:])
+
+
+if __name__ == "__main__":
+    main()

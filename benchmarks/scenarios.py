@@ -1,0 +1,297 @@
+"""Benchmark scenarios: real model shapes with random weights, the seeds' generation settings.
+
+Random weights are enough for speed: the work per step depends on shapes, and equal work is
+forced with ``min_new_tokens == max_new_tokens`` (every hypothesis runs the full length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+
+from benchmarks.measure import kv_cache_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What one timed call returns: the token ids (for the identity check) and the KV-cache bytes."""
+
+    sequences: torch.Tensor
+    kv_cache_bytes: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """An HF model shape and generation settings; :meth:`prepare` returns the call to time."""
+
+    name: str
+    config_class: str
+    model_class: str
+    config: dict[str, Any]
+    batch: int
+    input_len: int
+    new_tokens: int
+    generate: dict[str, Any]
+    #: overrides of batch / input_len / new_tokens on a GPU
+    cuda: dict[str, Any] = dataclasses.field(default_factory=dict)
+    gpu_only: bool = False
+    note: str = ""
+
+    def settings(self, device: str) -> dict[str, Any]:
+        base = {"batch": self.batch, "input_len": self.input_len, "new_tokens": self.new_tokens}
+        return base | (self.cuda if device == "cuda" else {})
+
+    def prepare(self, device: str, dtype: torch.dtype, settings: dict[str, Any]) -> Callable[[], Generation]:
+        config = getattr(transformers, self.config_class)(**self.config)
+        torch.manual_seed(0)
+        model = getattr(transformers, self.model_class)(config).to(device=device, dtype=dtype).eval()
+        inputs = self.inputs(model, settings["batch"], settings["input_len"])
+        n = settings["new_tokens"]
+        kwargs = dict(self.generate, max_new_tokens=n, min_new_tokens=n, return_dict_in_generate=True)
+
+        def run() -> Generation:
+            out = model.generate(**inputs, **kwargs)
+            return Generation(out.sequences, kv_cache_bytes(getattr(out, "past_key_values", None)))
+
+        return run
+
+    def inputs(self, model: transformers.PreTrainedModel, batch: int, input_len: int) -> dict[str, torch.Tensor]:
+        """Random ids, the last row shorter by a quarter (padding exercised, on the side HF expects)."""
+        generator = torch.Generator().manual_seed(1)
+        vocab = model.config.vocab_size
+        ids = torch.randint(4, vocab, (batch, input_len), generator=generator)
+        mask = torch.ones_like(ids)
+        if batch > 1:
+            short = input_len // 4
+            if model.config.is_encoder_decoder:
+                mask[-1, input_len - short :] = 0
+            else:
+                mask[-1, :short] = 0
+        ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
+        device = model.device
+        return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FairseqScenario(Scenario):
+    """A fairseq ``transformer`` (``config`` holds its architecture args) run by ``SequenceGenerator``.
+
+    ``min_len == max_len`` forces equal work; the cache bytes of fairseq's incremental state
+    are not reported (the generator keeps them internal).
+    """
+
+    def prepare(self, device: str, dtype: torch.dtype, settings: dict[str, Any]) -> Callable[[], Generation]:
+        import argparse
+
+        from fairseq.data import Dictionary
+        from fairseq.models.transformer import TransformerModel, base_architecture
+        from fairseq.sequence_generator import SequenceGenerator
+
+        dictionary = Dictionary()
+        for i in range(self.config["vocab_size"] - len(dictionary)):
+            dictionary.add_symbol(f"w{i}")
+        args = argparse.Namespace(**{k: v for k, v in self.config.items() if k != "vocab_size"})
+        base_architecture(args)
+
+        class _Task:
+            source_dictionary = target_dictionary = dictionary
+
+        torch.manual_seed(0)
+        model = TransformerModel.build_model(args, _Task()).to(device=device, dtype=dtype).eval()
+        batch, length, n = settings["batch"], settings["input_len"], settings["new_tokens"]
+        generator = torch.Generator().manual_seed(1)
+        tokens = torch.randint(dictionary.nspecial, len(dictionary), (batch, length), generator=generator)
+        tokens[:, -1] = dictionary.eos()
+        sample = {
+            "net_input": {"src_tokens": tokens.to(device), "src_lengths": torch.full((batch,), length).to(device)}
+        }
+        search = SequenceGenerator([model], dictionary, max_len_a=0, max_len_b=n, min_len=n, **self.generate)
+
+        def run() -> Generation:
+            hypos = search.generate([model], sample)
+            best = [h[0]["tokens"] for h in hypos]
+            padded = torch.nn.utils.rnn.pad_sequence(best, batch_first=True, padding_value=dictionary.pad())
+            return Generation(padded, {})
+
+        return run
+
+
+_BART = dict(
+    vocab_size=50265,
+    pad_token_id=1,
+    bos_token_id=0,
+    eos_token_id=2,
+    decoder_start_token_id=2,
+    forced_eos_token_id=2,
+    max_position_embeddings=1024,
+)
+_SUMMARY = dict(num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0, early_stopping=True)
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario(
+            "bart-base",
+            "BartConfig",
+            "BartForConditionalGeneration",
+            dict(
+                _BART,
+                d_model=768,
+                encoder_layers=6,
+                decoder_layers=6,
+                encoder_attention_heads=12,
+                decoder_attention_heads=12,
+                encoder_ffn_dim=3072,
+                decoder_ffn_dim=3072,
+            ),
+            batch=4,
+            input_len=256,
+            new_tokens=32,
+            generate=_SUMMARY,
+            cuda=dict(batch=32, input_len=1024, new_tokens=140),
+            note="CNN/DM-like summarisation: beam 4, no-repeat 3",
+        ),
+        Scenario(
+            "bart-large",
+            "BartConfig",
+            "BartForConditionalGeneration",
+            dict(
+                _BART,
+                d_model=1024,
+                encoder_layers=12,
+                decoder_layers=12,
+                encoder_attention_heads=16,
+                decoder_attention_heads=16,
+                encoder_ffn_dim=4096,
+                decoder_ffn_dim=4096,
+            ),
+            batch=2,
+            input_len=512,
+            new_tokens=16,
+            generate=_SUMMARY,
+            cuda=dict(batch=32, input_len=1024, new_tokens=140),
+            gpu_only=True,
+            note="the FastSeq paper's main setting: beam 4, no-repeat 3, 1024 input tokens",
+        ),
+        Scenario(
+            "marian",
+            "MarianConfig",
+            "MarianMTModel",
+            dict(
+                vocab_size=58101,
+                d_model=512,
+                encoder_layers=6,
+                decoder_layers=6,
+                encoder_attention_heads=8,
+                decoder_attention_heads=8,
+                encoder_ffn_dim=2048,
+                decoder_ffn_dim=2048,
+                pad_token_id=58100,
+                eos_token_id=0,
+                decoder_start_token_id=58100,
+                forced_eos_token_id=0,
+                max_position_embeddings=512,
+            ),
+            batch=8,
+            input_len=64,
+            new_tokens=48,
+            generate=dict(num_beams=4),
+            cuda=dict(batch=64, input_len=128, new_tokens=128),
+            note="translation: beam 4",
+        ),
+        Scenario(
+            "t5-base",
+            "T5Config",
+            "T5ForConditionalGeneration",
+            dict(
+                vocab_size=32128,
+                d_model=768,
+                d_kv=64,
+                d_ff=3072,
+                num_layers=12,
+                num_heads=12,
+                pad_token_id=0,
+                eos_token_id=1,
+                decoder_start_token_id=0,
+            ),
+            batch=4,
+            input_len=256,
+            new_tokens=32,
+            generate=_SUMMARY,
+            cuda=dict(batch=32, input_len=512, new_tokens=140),
+            note="summarisation: beam 4, no-repeat 3",
+        ),
+        Scenario(
+            "gpt2",
+            "GPT2Config",
+            "GPT2LMHeadModel",
+            dict(
+                vocab_size=50257,
+                n_embd=768,
+                n_layer=12,
+                n_head=12,
+                n_positions=1024,
+                pad_token_id=50256,
+                bos_token_id=50256,
+                eos_token_id=50256,
+            ),
+            batch=2,
+            input_len=512,
+            new_tokens=32,
+            generate=dict(num_beams=4, no_repeat_ngram_size=3),
+            cuda=dict(batch=16, input_len=512, new_tokens=128),
+            note="decoder-only, 512-token prompt: beam 4, no-repeat 3",
+        ),
+        Scenario(
+            "llama",
+            "LlamaConfig",
+            "LlamaForCausalLM",
+            dict(
+                vocab_size=32000,
+                hidden_size=1024,
+                intermediate_size=2816,
+                num_hidden_layers=8,
+                num_attention_heads=16,
+                num_key_value_heads=4,
+                max_position_embeddings=2048,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            batch=2,
+            input_len=512,
+            new_tokens=32,
+            generate=dict(num_beams=4),
+            cuda=dict(batch=16, input_len=1024, new_tokens=128),
+            note="Llama-shaped decoder (GQA 16/4 heads, RoPE), 512-token prompt: beam 4",
+        ),
+        FairseqScenario(
+            "fairseq-transformer",
+            "",
+            "",
+            dict(
+                vocab_size=32000,
+                encoder_embed_dim=512,
+                encoder_ffn_embed_dim=2048,
+                encoder_layers=6,
+                encoder_attention_heads=8,
+                decoder_embed_dim=512,
+                decoder_ffn_embed_dim=2048,
+                decoder_layers=6,
+                decoder_attention_heads=8,
+                share_all_embeddings=True,
+                dropout=0.0,
+            ),
+            batch=8,
+            input_len=128,
+            new_tokens=48,
+            generate=dict(beam_size=4, no_repeat_ngram_size=3),
+            cuda=dict(batch=64, input_len=256, new_tokens=128),
+            note="fairseq transformer (6+6, d=512) via SequenceGenerator: beam 4, no-repeat 3",
+        ),
+    ]
+}

@@ -1,0 +1,106 @@
+"""fairseq SequenceGenerator with the encoder output shared by the beams of each input."""
+
+import pytest
+import torch
+
+import fastgen
+from tests import harness
+from tests.conftest import HAS_FAIRSEQ
+
+pytestmark = pytest.mark.skipif(not HAS_FAIRSEQ, reason="fairseq is not installed")
+
+
+@pytest.fixture
+def spy_encoder_reorder(monkeypatch):
+    """Records the row count of every encoder-output reorder the generator asks the encoder for."""
+    from fairseq.models.transformer import TransformerEncoderBase
+
+    calls: list[int] = []
+    original = TransformerEncoderBase.reorder_encoder_out
+
+    def spy(self, encoder_out, new_order):
+        calls.append(new_order.numel())
+        return original(self, encoder_out, new_order)
+
+    monkeypatch.setattr(TransformerEncoderBase, "reorder_encoder_out", spy)
+    return calls
+
+
+@pytest.mark.parametrize("beam", [2, 4])
+def test_beam_search_identical_and_encoder_out_not_expanded(fairseq_transformer, spy_encoder_reorder, beam):
+    model, dictionary = fairseq_transformer
+    sample = harness.tiny_fairseq_sample(dictionary, batch=4, length=12)
+    harness.assert_same_fairseq_generation(model, dictionary, sample, features=["dedup"], beam_size=beam, max_len_b=12)
+    calls = {}
+    for variant, scope in (("upstream", fastgen.unpatched()), ("fastgen", fastgen.patched(["dedup"]))):
+        spy_encoder_reorder.clear()
+        with scope:
+            harness.fairseq_generate(model, dictionary, sample, beam_size=beam, max_len_b=12)
+        calls[variant] = list(spy_encoder_reorder)
+    upstream, fastgen_calls = calls["upstream"], calls["fastgen"]
+    assert upstream[0] == 4 * beam and len(upstream) > 5  # upstream: expand, then reorder every step
+    assert all(n < 4 for n in fastgen_calls) and len(fastgen_calls) < len(upstream)
+
+
+def test_finished_sentences_leave_the_batch(fairseq_transformer, spy_encoder_reorder):
+    """Some sentences finish early and leave the batch: the pruning path must stay exact."""
+    model, dictionary = fairseq_transformer
+    with torch.no_grad():  # make EOS as likely as token 7, which this seed favours for some inputs
+        model.decoder.output_projection.weight[dictionary.eos()] = model.decoder.output_projection.weight[7] * 1.02
+    sample = harness.tiny_fairseq_sample(dictionary, batch=4, length=12)
+    with fastgen.patched(["dedup"]):
+        hypos = harness.fairseq_generate(model, dictionary, sample, beam_size=4, max_len_b=16)
+    lengths = [len(h[0]["tokens"]) for h in hypos]
+    assert min(lengths) < max(lengths) == 17, lengths
+    assert spy_encoder_reorder and all(n < 4 for n in spy_encoder_reorder)  # dropped inputs only
+    harness.assert_same_fairseq_generation(model, dictionary, sample, features=["dedup"], beam_size=4, max_len_b=16)
+
+
+def test_cross_attention_cache_holds_one_row_per_input(fairseq_transformer, monkeypatch):
+    from fairseq.modules import MultiheadAttention
+
+    model, dictionary = fairseq_transformer
+    sample = harness.tiny_fairseq_sample(dictionary, batch=3)
+    rows: set[int] = set()
+    original = MultiheadAttention.forward
+
+    def forward(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        state = kwargs.get("incremental_state")
+        if self.encoder_decoder_attention and state is not None:
+            rows.add(self._get_input_buffer(state)["prev_key"].size(0))
+        return out
+
+    monkeypatch.setattr(MultiheadAttention, "forward", forward)
+    with fastgen.patched(["dedup"]):
+        harness.fairseq_generate(model, dictionary, sample, beam_size=4, max_len_b=6)
+    assert rows and max(rows) == 3  # B, not B·M = 12
+    rows.clear()
+    with fastgen.unpatched():
+        harness.fairseq_generate(model, dictionary, sample, beam_size=4, max_len_b=6)
+    assert max(rows) == 12
+
+
+def test_sampling_with_beams_and_greedy(fairseq_transformer):
+    model, dictionary = fairseq_transformer
+    sample = harness.tiny_fairseq_sample(dictionary)
+    harness.assert_same_fairseq_generation(model, dictionary, sample, features=["dedup"], beam_size=1, max_len_b=8)
+    from fairseq import search
+
+    sampling = search.Sampling(dictionary, sampling_topk=10)
+    harness.assert_same_fairseq_generation(
+        model, dictionary, sample, features=["dedup"], beam_size=3, max_len_b=8, search_strategy=sampling
+    )
+
+
+def test_beam_size_restored_after_generation(fairseq_transformer):
+    from fastgen.models.fairseq_transformer import cross_attention_modules
+
+    model, dictionary = fairseq_transformer
+    sample = harness.tiny_fairseq_sample(dictionary)
+    with fastgen.patched(["dedup"]):
+        harness.fairseq_generate(model, dictionary, sample, beam_size=4, max_len_b=4)
+    assert all(m.beam_size == 1 for m in cross_attention_modules(model))
+    torch.manual_seed(0)
+    with fastgen.patched(["dedup"]):  # and a later beam-1 run on the same model is unaffected
+        harness.assert_same_fairseq_generation(model, dictionary, sample, features=["dedup"], beam_size=1, max_len_b=4)
