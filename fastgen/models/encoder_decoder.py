@@ -148,6 +148,13 @@ def cache_nbytes(cache: EncoderDecoderCache) -> tuple[int, int]:
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
+def _per_hypothesis(tensor: Any, batch: int, group: int) -> Any:
+    """Repeat a per-input mask/bias for every hypothesis (anything else is returned as is)."""
+    if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.shape[0] == batch > 1:
+        return tensor.repeat_interleave(group, dim=0)
+    return tensor
+
+
 def _run_grouped(
     attention: AttentionFunction,
     module: torch.nn.Module,
@@ -173,8 +180,11 @@ def _run_grouped(
         bias = layout_for_groups(bias, batch, group, q_len)
         groupable = bias is not None
     if not groupable:
-        # Correct for any call, just not faster: give every hypothesis its own K/V, as upstream.
+        # Correct for any call, just not faster: give every hypothesis its own K/V (and mask), as upstream.
         key, value = key.repeat_interleave(group, dim=0), value.repeat_interleave(group, dim=0)
+        attention_mask = _per_hypothesis(attention_mask, batch, group)
+        if isinstance(kwargs.get("position_bias"), torch.Tensor):
+            kwargs = {**kwargs, "position_bias": _per_hypothesis(kwargs["position_bias"], batch, group)}
         return attention(module, query, key, value, attention_mask, *args, **kwargs)
     if bias is not None:
         kwargs = {**kwargs, "position_bias": bias}

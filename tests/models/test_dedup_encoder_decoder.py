@@ -271,3 +271,12 @@ def test_shared_cache_row_operations_match_an_expanded_cache() -> None:
         for mine, theirs in zip(shared.self_attention_cache.layers, upstream.self_attention_cache.layers, strict=True):
             assert torch.equal(mine.keys, theirs.keys), name
     assert shared.group_size() == 1  # arbitrary selection gave every row its own cross K/V
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_training_mode_runs_shared_kv_ungrouped(family: str) -> None:
+    """Grouping is skipped for modules in training mode (dropout layout); the shared cache still works."""
+    model = harness.tiny_hf_model(family).train()  # dropout is 0 in the tiny configs: deterministic
+    inputs = harness.tiny_inputs(model, batch=BATCH)
+    _, patched = harness.assert_same_generation(model, inputs, features=["dedup"], max_new_tokens=5, num_beams=3)
+    assert isinstance(patched.past_key_values, BeamSharedCrossAttentionCache)
