@@ -19,11 +19,16 @@ def _row(r: dict) -> str | None:
     s, b, f = r["settings"], r["baseline"], r["fastgen"]
     cross = r.get("cross_attention_cache_ratio")
     return (
-        f"| {r['scenario']} | {r['environment']['device']} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
+        f"| {r['scenario']} | {_device(r['environment'])} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
         f"{s['dtype']} | {b['new_tokens_per_s']:.1f} | {f['new_tokens_per_s']:.1f} | **{r['speedup']:.2f}×** | "
         f"{'—' if cross is None else f'{cross:.3f}'} | {'yes' if r['identical_outputs'] else 'NO'} | "
         f"{r['environment'].get('git_commit') or '?'} |"
     )
+
+
+def _device(env: dict) -> str:
+    threads = env.get("torch_threads")
+    return env["device"] if "cpu_count" not in env else f"{env['device']}, {threads} thread(s)"
 
 
 def table() -> str:
