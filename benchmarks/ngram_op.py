@@ -12,6 +12,9 @@ fairseq is timed the way SequenceGenerator calls it: ``NGramRepeatBlock(n)(token
 beam, step)`` with its whole pad-filled ``max_len + 2`` buffer. On CPU (or without its CUDA
 extension) that runs a Python loop which, handed that buffer, bans nothing (fairseq #4709/#5206);
 the loop on the valid tokens only (``tokens[:, :step+1]``, what it was meant to see) is timed too.
+
+The encoder variant (HF's EncoderNoRepeatNGramLogitsProcessor) runs at 128 inputs of 1024 tokens x
+beam 4, every hypothesis ending on a bigram of its input.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -28,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from fastgen.ops.ngram import ban_repeated_ngrams
+from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
 
 SHAPES = [
     {"rows": 512, "length": 140, "vocab": 50265, "n": 3, "beam": 4},
@@ -54,14 +58,22 @@ def _sync(device: torch.device) -> None:
 
 
 def time_round_robin(fns: dict[str, Callable[[], object]], device: torch.device, repeats: dict[str, int]):
-    """Median seconds per implementation; one call of each per round, so drift hits all alike."""
+    """Median seconds per implementation; one call of each per round, so drift hits all alike.
+
+    The order is shuffled every round: whatever runs right after HF's 100 MB sweep finds cold
+    caches, and that should not always be the same implementation.
+    """
     for fn in fns.values():  # warm-up (allocator, Triton/JIT compiles, lazy imports)
         for _ in range(3):
             fn()
     _sync(device)
     times: dict[str, list[float]] = {name: [] for name in fns}
+    order = random.Random(0)
     for round_ in range(max(repeats.values())):
-        for name, fn in fns.items():
+        names = list(fns)
+        order.shuffle(names)
+        for name in names:
+            fn = fns[name]
             if round_ >= repeats[name]:
                 continue
             _sync(device)
@@ -69,7 +81,22 @@ def time_round_robin(fns: dict[str, Callable[[], object]], device: torch.device,
             fn()
             _sync(device)
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}, {name: len(ts) for name, ts in times.items()}
+    return times
+
+
+def summarise(times: dict[str, list[float]]) -> dict:
+    """Median (the figure reported), the 10th/90th percentiles (the noise) in ms, and the call counts."""
+
+    def ms(ts: list[float], q: float) -> float:
+        ordered = sorted(ts)
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 4)
+
+    return {
+        "median_ms": {name: round(statistics.median(ts) * 1e3, 4) for name, ts in times.items()},
+        "p10_ms": {name: ms(ts, 0.1) for name, ts in times.items()},
+        "p90_ms": {name: ms(ts, 0.9) for name, ts in times.items()},
+        "timed_calls": {name: len(ts) for name, ts in times.items()},
+    }
 
 
 def bench_shape(shape: dict, device: torch.device, repeats: int, slow_repeats: int) -> dict:
@@ -117,12 +144,13 @@ def bench_shape(shape: dict, device: torch.device, repeats: int, slow_repeats: i
         )
         repeats_of["fairseq_as_called"] = repeats_of["fairseq_loop_on_valid_tokens"] = slow_repeats
 
-    medians, counts = time_round_robin(fns, device, repeats_of)
+    stats = summarise(time_round_robin(fns, device, repeats_of))
+    medians = stats["median_ms"]
     result = {
+        "variant": "decoder",
         **shape,
         "banned_entries": banned,
-        "median_ms": {name: round(sec * 1e3, 4) for name, sec in medians.items()},
-        "timed_calls": counts,
+        **stats,
         "speedup_vs_hf": round(medians["hf_processor"] / medians["fastgen"], 1),
         "speedup_vs_hf_with_clone": round(medians["hf_processor"] / medians["fastgen_plus_clone"], 1),
         "fairseq": fairseq_note,
@@ -132,6 +160,44 @@ def bench_shape(shape: dict, device: torch.device, repeats: int, slow_repeats: i
             medians["fairseq_as_called"] / medians["fastgen_fairseq_buffer"], 1
         )
     return result
+
+
+def bench_encoder(device: torch.device, repeats: int) -> dict:
+    """HF's EncoderNoRepeatNGramLogitsProcessor (its n-gram dicts built once, as generate() does) vs ours."""
+    from transformers.generation.logits_process import EncoderNoRepeatNGramLogitsProcessor
+
+    batch, beam, source, length, vocab, n = 128, 4, 1024, 140, 50265, 3
+    gen = torch.Generator().manual_seed(2)
+    inputs = torch.randint(4, vocab, (batch, source), generator=gen)
+    tokens = torch.randint(4, vocab, (batch * beam, length), generator=gen)
+    for r in range(batch * beam):  # each hypothesis ends on a bigram its input contains
+        i = int(torch.randint(0, source - n + 1, (1,), generator=gen))
+        tokens[r, length - n + 1 :] = inputs[r // beam, i : i + n - 1]
+    inputs, tokens = inputs.to(device), tokens.to(device)
+    scores = torch.randn(batch * beam, vocab, generator=gen).to(device)
+    hf = EncoderNoRepeatNGramLogitsProcessor(n, inputs)
+    expected = hf(tokens, scores)
+    assert torch.equal(ban_encoder_ngrams(inputs, tokens, scores.clone(), n), expected)
+    work = scores.clone()
+    fns = {
+        "fastgen": lambda: ban_encoder_ngrams(inputs, tokens, work, n),
+        "fastgen_plus_clone": lambda: ban_encoder_ngrams(inputs, tokens, scores.clone(), n),
+        "hf_processor": lambda: hf(tokens, scores),
+    }
+    stats = summarise(time_round_robin(fns, device, dict.fromkeys(fns, repeats)))
+    medians = stats["median_ms"]
+    return {
+        "variant": "encoder",
+        "rows": batch * beam,
+        "source_length": source,
+        "length": length,
+        "vocab": vocab,
+        "n": n,
+        "banned_entries": int(expected.isinf().sum()),
+        **stats,
+        "speedup_vs_hf": round(medians["hf_processor"] / medians["fastgen"], 1),
+        "speedup_vs_hf_with_clone": round(medians["hf_processor"] / medians["fastgen_plus_clone"], 1),
+    }
 
 
 def device_facts(device: torch.device) -> dict:
@@ -184,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(threads)
         for shape in SHAPES:
             results.append({"threads": threads, **bench_shape(shape, device, args.repeats, args.slow_repeats)})
+        results.append({"threads": threads, **bench_encoder(device, args.repeats)})
     facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report = {
         "benchmark": "ngram_op",
@@ -192,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         "machine": facts,
         "versions": versions(),
         "method": (
-            "median wall time per call after 3 warm-up calls, implementations interleaved round-robin; "
+            "median wall time per call after 3 warm-up calls, implementations interleaved round-robin "
+            "in a shuffled order; "
             f"tokens random with each row's final (n-1)-gram planted {REPEATS_PER_ROW}x earlier; "
             "fastgen works in place (fastgen_plus_clone adds the copy HF's out-of-place contract implies); "
             "fairseq_as_called passes its pad-filled buffer, as SequenceGenerator does"
@@ -203,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(report, indent=2) + "\n")
     for r in results:
         line = ", ".join(f"{k} {v:.3f} ms" for k, v in r["median_ms"].items())
-        sys.stdout.write(f"threads={r['threads']} N={r['rows']} L={r['length']} V={r['vocab']} n={r['n']}: {line}\n")
+        shape = f"{r['variant']} threads={r['threads']} N={r['rows']} L={r['length']} V={r['vocab']} n={r['n']}"
+        sys.stdout.write(f"{shape}: {line}\n")
         sys.stdout.write(f"  fastgen vs HF: {r['speedup_vs_hf']}x (with clone {r['speedup_vs_hf_with_clone']}x)\n")
     sys.stdout.write(f"wrote {out}\n")
 

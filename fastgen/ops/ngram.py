@@ -35,20 +35,26 @@ Length = int | torch.Tensor | None
 # --------------------------------------------------------------------------------------------------
 
 
-def _prefix(tokens: torch.Tensor, n: int, length: Length) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _valid_lengths(length: Length, tokens: torch.Tensor) -> int | torch.Tensor:
+    """Valid tokens per row clamped to [0, L]: one int for all rows, or an int64 tensor of N."""
+    num_rows, width = tokens.shape
+    if isinstance(length, torch.Tensor):
+        return length.to(device=tokens.device, dtype=torch.int64).expand(num_rows).clamp(0, width)
+    return width if length is None else min(max(int(length), 0), width)
+
+
+def _prefix(
+    tokens: torch.Tensor, n: int, lengths: int | torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The last n-1 valid tokens of every row (N×(n-1)), and which rows have that many (None: all do).
 
-    Returns ``(None, None)`` when a scalar length makes every row too short.
+    Returns ``(None, None)`` when no row can have that many.
     """
-    num_rows, width = tokens.shape
+    width = tokens.shape[1]
     if width < n - 1:
         return None, None
-    if not isinstance(length, torch.Tensor):
-        valid = width if length is None else min(max(int(length), 0), width)
-        if valid < n - 1:
-            return None, None
-        return tokens[:, valid - n + 1 : valid], None
-    lengths = length.to(device=tokens.device, dtype=torch.int64).expand(num_rows).clamp(0, width)
+    if isinstance(lengths, int):
+        return (tokens[:, lengths - n + 1 : lengths], None) if lengths >= n - 1 else (None, None)
     start = lengths - (n - 1)
     offsets = torch.arange(n - 1, device=tokens.device)
     index = (start.clamp(min=0).unsqueeze(1) + offsets).clamp(max=width - 1)
@@ -56,7 +62,7 @@ def _prefix(tokens: torch.Tensor, n: int, length: Length) -> tuple[torch.Tensor 
 
 
 def _window_matches(hay: torch.Tensor, prefix: torch.Tensor, n: int, width: int) -> torch.Tensor:
-    """bool R×W×...: window i of ``hay[:, :width]`` (its first n-1 tokens) equals ``prefix``.
+    """bool R×W: window i of ``hay[:, :width]`` (its first n-1 tokens) equals ``prefix``.
 
     Comparing one shifted slice at a time keeps every temporary at R×W (an unfold + all() would
     materialise R×W×(n-1) and reduce it); for the usual n = 3 that is two compares and one and.
@@ -133,28 +139,34 @@ def _ban_torch(
 
     ``sync_free`` picks the write strategy (default: nonzero on CPU, fixed shapes elsewhere).
     """
-    num_rows, width = tokens.shape
+    num_rows = tokens.shape[0]
     if num_rows == 0:
         return
-    beams = num_rows // hay.shape[0]
-    prefix, prefix_ok = _prefix(tokens, n, length)
+    lengths = _valid_lengths(length, tokens)
+    prefix, prefix_ok = _prefix(tokens, n, lengths)
     if prefix is None:
         return
-    if decoder and not isinstance(length, torch.Tensor):
-        # One valid length for all rows: slice it off, so no window needs a per-row mask.
-        valid = width if length is None else min(max(int(length), 0), width)
-        if valid < n:
+    if decoder:
+        if isinstance(lengths, int):
+            hay = hay[:, :lengths]  # one length for all rows: slice, so no window needs a mask
+        num_windows = hay.shape[1] - n + 1
+        if num_windows <= 0:
             return
-        hay = hay[:, :valid]
-    hay_width = hay.shape[1]
-    num_windows = hay_width - n + 1
+        if n == 1:
+            match = torch.ones(num_rows, num_windows, dtype=torch.bool, device=hay.device)
+        else:
+            match = _window_matches(hay, prefix, n, hay.shape[1])
+        if isinstance(lengths, torch.Tensor):  # window i exists in row r iff i <= len_r - n
+            match &= torch.arange(num_windows, device=hay.device) < (lengths - n + 1).unsqueeze(1)
+        _write_banned(scores, match, hay[:, n - 1 :], None, sync_free)
+        return
+
+    num_windows = hay.shape[1] - n + 1
     if num_windows <= 0:
         return
-    row_of = None
-    if n == 1:
-        match = torch.ones(hay.shape[0], num_windows, dtype=torch.bool, device=hay.device)
-    elif decoder:
-        match = _window_matches(hay, prefix, n, hay_width)
+    beams = num_rows // hay.shape[0]
+    if n == 1:  # every input token, whatever the hypothesis (HF: the empty prefix always matches)
+        match = torch.ones(num_rows, num_windows, dtype=torch.bool, device=hay.device)
     else:
         # B input rows, each compared with its `beams` hypotheses' prefixes: B×beams×W, no B×beams×S copy.
         grouped = prefix.view(hay.shape[0], beams, n - 1)
@@ -162,16 +174,9 @@ def _ban_torch(
         for k in range(1, n - 1):
             match &= hay[:, None, k : k + num_windows] == grouped[:, :, k : k + 1]
         match = match.view(num_rows, num_windows)
-        row_of = torch.arange(num_rows, device=hay.device) // beams
-    if n == 1 and not decoder:
-        match = match.repeat_interleave(beams, dim=0)
-        row_of = torch.arange(num_rows, device=hay.device) // beams
-    if prefix_ok is not None:
-        match &= prefix_ok.unsqueeze(1)
-        if decoder:
-            window = torch.arange(num_windows, device=hay.device)
-            lengths = length.to(device=hay.device, dtype=torch.int64).expand(num_rows).clamp(0, width)
-            match &= window < (lengths - n + 1).unsqueeze(1)
+        if prefix_ok is not None:
+            match &= prefix_ok.unsqueeze(1)
+    row_of = torch.arange(num_rows, device=hay.device) // beams
     _write_banned(scores, match, hay[:, n - 1 :], row_of, sync_free)
 
 
