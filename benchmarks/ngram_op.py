@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
+from fastgen.ops.ngram import available_backends, ban_encoder_ngrams, ban_repeated_ngrams
 
 SHAPES = [
     {"rows": 512, "length": 140, "vocab": 50265, "n": 3, "beam": 4},
@@ -125,6 +125,12 @@ def bench_shape(shape: dict, device: torch.device, repeats: int, slow_repeats: i
         "fastgen_plus_clone": lambda: ban_repeated_ngrams(tokens, scores.clone(), n),
         "hf_processor": lambda: hf(tokens, scores),
     }
+    if device.type == "cuda":  # each backend on its own, besides the automatic choice above
+        for backend, reason in available_backends(device).items():
+            if reason is None:
+                fns[f"fastgen_{backend}"] = lambda backend=backend: ban_repeated_ngrams(
+                    tokens, work, n, backend=backend
+                )
     repeats_of = {name: repeats for name in fns}
     fairseq_note = None
     try:

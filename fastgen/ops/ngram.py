@@ -5,6 +5,22 @@ copy of the scores (HF 5.x); both cost more than a decoding step on long rows or
 Here the banned (row, token) pairs are found by comparing the current prefix against every window of
 the row, and only those entries of ``scores`` are written, in place.
 
+Upstream, as read (HF 5.23, fairseq 0.12.3), and what this op does about it:
+- HF ``NoRepeatNGramLogitsProcessor`` builds an N×(V+1) bool mask and returns a masked copy:
+  O(N·V) traffic every step however few tokens are banned. It returns its input unchanged (the
+  same object) while ``cur_len < n``. Ids >= V are skipped; a negative id in a matching window
+  raises. Semantics are equal here; this op writes in place instead of copying.
+- HF ``EncoderNoRepeatNGramLogitsProcessor`` maps hypothesis ``i`` to input ``i // (N // B)``,
+  counts the whole input (padding too), bans every input id for n == 1 even at ``cur_len == 0``,
+  raises on ids >= V and wraps negative ids to the end of the vocab. Equal here, except that ids
+  outside [0, V) are never banned and N not a multiple of B raises at once.
+- fairseq ``NGramRepeatBlock``: the CUDA kernel bans exactly what this op bans with
+  ``length=step + 1`` (float32 scores and int64 tokens only; one thread per window and no launch
+  check, so past 1024 windows the launch fails unreported by the op itself). The CPU fallback is
+  handed the whole pad-filled buffer and takes its prefix from the buffer's end (pads), so it bans
+  nothing (fairseq #4709/#5206); with n == 1 it bans nothing either, since ``row[-0:]`` is the
+  whole row.
+
 Layers: Triton kernel (:mod:`fastgen.ops.triton.ngram`) and CUDA kernel (``csrc/ngram.cu``, loaded
 by :mod:`fastgen.ops._ext`) → the torch reference below (the oracle and the CPU path) → the public
 functions :func:`ban_repeated_ngrams` and :func:`ban_encoder_ngrams` with their backend dispatch.
