@@ -144,6 +144,22 @@ def tiny_inputs(
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def feature_unavailable(feature: str, package: str = "transformers") -> str | None:
+    """Why ``feature``'s patches of ``package`` are skipped for the installed version, or None.
+
+    Tests that assert a mechanism (not just equal outputs) skip with this reason; equality tests
+    still run, since a skipped patch must leave upstream behaviour intact.
+    """
+    from fastgen.optimizer import registry
+
+    problems = [
+        registry.version_problem(p)
+        for p in registry.declared_patches()
+        if p.feature == feature and p.package == package
+    ]
+    return next((p for p in problems if p), None)
+
+
 # ------------------------------------------------------------------------------ equivalence
 
 

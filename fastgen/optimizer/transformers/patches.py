@@ -3,6 +3,9 @@
 from fastgen.optimizer.registry import Patch
 
 HF_VERSIONS = ">=5.15,<6"
+#: Before 5.18 ``_expand_inputs_for_generation`` is a staticmethod: the hook cannot see the model
+#: family, so beam dedup needs 5.18+ (CI tests 5.18 and the newest release).
+HF_DEDUP_VERSIONS = ">=5.18,<6"
 
 PATCHES: list[Patch] = []
 
@@ -15,8 +18,8 @@ PATCHES += [
         target="transformers.generation.utils:GenerationMixin._expand_inputs_for_generation",
         factory=f"{_DEDUP}:make_expand_inputs",
         package="transformers",
-        versions=HF_VERSIONS,
-        expects=("expand_size", "is_encoder_decoder", "input_ids"),
+        versions=HF_DEDUP_VERSIONS,
+        expects=("self", "expand_size", "is_encoder_decoder", "input_ids"),
     ),
     # Confirm (beam-shared cross-attention cache) or undo (upstream expansion) per decoding mode.
     Patch(
@@ -24,7 +27,7 @@ PATCHES += [
         target="transformers.generation.utils:GenerationMixin._prepare_cache_for_generation",
         factory=f"{_DEDUP}:make_prepare_cache",
         package="transformers",
-        versions=HF_VERSIONS,
+        versions=HF_DEDUP_VERSIONS,
         expects=("generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length"),
     ),
     # Run beam queries grouped against the shared cross-attention K/V with the stock sdpa/eager kernels.
@@ -33,7 +36,7 @@ PATCHES += [
         target="transformers.modeling_utils:AttentionInterface.get_interface",
         factory=f"{_DEDUP}:make_get_interface",
         package="transformers",
-        versions=HF_VERSIONS,
+        versions=HF_DEDUP_VERSIONS,
         expects=("attn_implementation", "default"),
     ),
 ]
