@@ -1,36 +1,63 @@
-"""``python -m fastgen.info``: versions, the compiled extension's state, and every patch's state."""
+"""``python -m fastgen.info``: versions, the compiled extension, op backends, and every patch's state.
+
+Transformers' patched modules are imported first so their patches show as applied or skipped;
+fairseq is not imported (slow, and it reconfigures logging), so its patches may show as pending.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import platform
 
 import torch
 
 import fastgen
-from fastgen.optimizer.registry import installed_version
+from fastgen.optimizer.registry import declared_patches, installed_version
+
+#: op modules that expose ``available_backends(device) -> {backend: reason or None}``
+OPS = ("fastgen.ops.ngram",)
 
 
 def report() -> str:
+    _import_transformers_targets()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     lines = [
         f"fastgen {fastgen.__version__}  python {platform.python_version()}  torch {torch.__version__}",
         f"transformers {installed_version('transformers')}  fairseq {installed_version('fairseq')}  "
         f"triton {installed_version('triton')}",
-        f"CUDA device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}",
+        f"CUDA device: {torch.cuda.get_device_name() if device == 'cuda' else 'none'}",
         f"compiled extension: {_extension_state()}",
+        f"op backends on {device}:",
+        *[f"  {line}" for line in _backend_lines(device)],
         "",
         str(fastgen.status()),
     ]
     return "\n".join(lines)
 
 
+def _import_transformers_targets() -> None:
+    if installed_version("transformers") is None:
+        return
+    for module in {p.module for p in declared_patches() if p.package == "transformers"}:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+
+
 def _extension_state() -> str:
-    try:
-        ext = importlib.import_module("fastgen.ops._ext")
-    except ImportError as exc:
-        return f"loader unavailable ({exc})"
-    module = ext.load()
-    return f"loaded from {getattr(module, '__file__', module)}" if module else f"not loaded: {ext.unavailable_reason()}"
+    from fastgen.ops import _ext
+
+    module = _ext.load()
+    return f"loaded from {getattr(module, '__file__', module)}" if module else f"not loaded: {_ext.unavailable_reason()}"
+
+
+def _backend_lines(device: str) -> list[str]:
+    lines = []
+    for name in OPS:
+        backends = importlib.import_module(name).available_backends(device)
+        states = [f"{b}: {'ok' if reason is None else reason}" for b, reason in backends.items()]
+        lines.append(f"{name.rsplit('.', 1)[-1]}: " + "; ".join(states))
+    return lines
 
 
 if __name__ == "__main__":
