@@ -48,7 +48,9 @@ def _extension_state() -> str:
     from fastgen.ops import _ext
 
     module = _ext.load()
-    return f"loaded from {getattr(module, '__file__', module)}" if module else f"not loaded: {_ext.unavailable_reason()}"
+    if module is None:
+        return f"not loaded: {_ext.unavailable_reason()}"
+    return f"loaded from {getattr(module, '__file__', module)}"
 
 
 def _backend_lines(device: str) -> list[str]:
