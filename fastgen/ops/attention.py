@@ -203,9 +203,8 @@ def prefix_shared_attention(
     rows, heads, q_len, dim = query.shape
     batch, kv_heads, prefix_len = prefix_key.shape[:3]
     if rows % batch or heads % kv_heads or tuple(suffix_key.shape[:2]) != (rows, kv_heads):
-        raise ValueError(
-            f"query {tuple(query.shape)} does not fit prefix {tuple(prefix_key.shape)} / suffix {tuple(suffix_key.shape)}"
-        )
+        shapes = f"query {tuple(query.shape)}, prefix {tuple(prefix_key.shape)}, suffix {tuple(suffix_key.shape)}"
+        raise ValueError(f"shapes do not fit: {shapes}")
     group, n_rep = rows // batch, heads // kv_heads
     suffix_len, value_dim = suffix_key.shape[2], prefix_value.shape[-1]
     scale = dim**-0.5 if scale is None else scale

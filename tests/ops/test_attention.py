@@ -145,8 +145,9 @@ def test_prefix_shared_attention_matches_attention_over_the_concatenation(shape,
     rows, total, dim = batch * group, prefix_len + suffix_len + q_len, 8
     gen = torch.Generator().manual_seed(seed)
     query = torch.randn(rows, heads, q_len, dim, generator=gen)
-    prefix_k, prefix_v = torch.randn(batch, kv_heads, prefix_len, dim, generator=gen), torch.randn(
-        batch, kv_heads, prefix_len, dim + 1, generator=gen
+    prefix_k, prefix_v = (
+        torch.randn(batch, kv_heads, prefix_len, dim, generator=gen),
+        torch.randn(batch, kv_heads, prefix_len, dim + 1, generator=gen),
     )
     # The suffix includes the queries' own tokens, as after a cache update.
     suffix_k = torch.randn(rows, kv_heads, total - prefix_len, dim, generator=gen)

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from fastgen.models.decoder_only import prefix_attention
 from fastgen.models.encoder_decoder import (
     GROUPABLE_IMPLEMENTATIONS,
     BeamSharedCrossAttentionCache,
@@ -41,7 +43,6 @@ from fastgen.models.encoder_decoder import (
     is_plain_dynamic_encoder_decoder_cache,
     shared_cross_attention_problem,
 )
-from fastgen.models.decoder_only import prefix_attention
 from fastgen.optimizer.registry import fallback
 from fastgen.optimizer.transformers.prompt_dedup import note_attention_fallback, prepare_decoder_only_cache
 from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem
