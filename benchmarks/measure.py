@@ -109,6 +109,7 @@ def environment(device: str) -> dict[str, Any]:
         "fastgen": fastgen.__version__,
         "git_commit": _git_commit(),
         "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
     if device == "cuda":
         facts["device"] = torch.cuda.get_device_name()
