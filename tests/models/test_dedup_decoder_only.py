@@ -9,6 +9,7 @@ upstream's B*M-row GEMM and SDPA kernel (|diff| ~1e-6 on the tiny models' scores
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import Any
 
 import pytest
@@ -115,6 +116,38 @@ def test_gpt2_layer_scaled_attention() -> None:
     assert isinstance(patched.past_key_values, SharedPrefixCache)
 
 
+def test_gpt2_token_type_ids_are_per_row_inputs() -> None:
+    """token_type_ids are sliced for the B-row prefill and grow per hypothesis afterwards, as upstream."""
+    model = harness.tiny_hf_model("gpt2")
+    inputs = harness.tiny_inputs(model, batch=2)
+    inputs["token_type_ids"] = (torch.arange(12) % 3).expand(2, 12).clone()
+    _, patched = harness.assert_same_generation(model, inputs, features=["dedup"], max_new_tokens=6, num_beams=3)
+    assert isinstance(patched.past_key_values, SharedPrefixCache)
+
+
+def test_concurrent_generate_calls_keep_their_own_prefixes() -> None:
+    """The prefix travels with each call's own tensors: threads sharing models and fastgen state do not mix."""
+    models = {family: harness.tiny_hf_model(family) for family in harness.DECODER_ONLY}
+    inputs = {family: harness.tiny_inputs(model, batch=BATCH) for family, model in models.items()}
+    kwargs = dict(num_beams=4, max_new_tokens=NEW_TOKENS)
+    with fastgen.unpatched():
+        expected = {family: model.generate(**inputs[family], **kwargs) for family, model in models.items()}
+    results: dict[tuple[str, int], torch.Tensor] = {}
+
+    def run(family: str, copy: int) -> None:
+        results[family, copy] = models[family].generate(**inputs[family], **kwargs)
+
+    threads = [threading.Thread(target=run, args=(family, copy)) for family in models for copy in range(2)]
+    with fastgen.patched(["dedup"]):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(results) == len(threads)
+    for (family, _), sequences in results.items():
+        assert torch.equal(sequences, expected[family]), family
+
+
 def test_prompt_is_prefilled_once_per_input_and_never_copied(monkeypatch: pytest.MonkeyPatch) -> None:
     model = harness.tiny_hf_model("llama")
     inputs = harness.tiny_inputs(model, batch=BATCH)
@@ -193,9 +226,8 @@ def test_prompt_cache_bytes_are_one_over_beams(family: str) -> None:
     suffix_bytes = sum(nbytes(layer.keys, layer.values) for layer in shared.layers)
     assert prefix_bytes * beams * total == upstream_bytes * prompt_len  # the prompt part, exactly 1/M
     assert suffix_bytes * total == upstream_bytes * (total - prompt_len)  # the generated part, as upstream
-    # Same K/V per hypothesis as upstream's cache (up to float rounding).
-    for mine, theirs in zip(shared.layers, upstream.layers, strict=True):
-        keys, values = mine.per_hypothesis()
+    # Same K/V per hypothesis as upstream's cache (up to float rounding), also as DynamicCache iterates them.
+    for (keys, values, _), theirs in zip(shared, upstream.layers, strict=True):
         torch.testing.assert_close(keys, theirs.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values, theirs.values, atol=1e-5, rtol=1e-5)
 

@@ -1,5 +1,10 @@
 """Generation hooks that keep encoder-decoder cross-attention at one row per input ("dedup").
 
+Decoder-only models share the same three patch points for the prompt's K/V instead: step 2 hands
+them to :func:`~fastgen.optimizer.transformers.prompt_dedup.prepare_decoder_only_cache`, step 3
+wraps every attention function with :func:`~fastgen.models.decoder_only.prefix_attention`, and a
+fourth hook (``_prefill``) lives in :mod:`.prompt_dedup`.
+
 ``generate`` with ``num_beams=M`` (or ``num_return_sequences=M`` when sampling) expands every
 input ``M`` times before decoding. Three small hooks change that for the families of
 :data:`fastgen.models.encoder_decoder.CROSS_ATTENTION_FAMILIES`:
