@@ -214,7 +214,7 @@ class SharedPrefixCache(DynamicCache):
     def __init__(self, num_layers: int, hypotheses: int, group_size: int, attention_ready: Callable[[], bool]) -> None:
         Cache.__init__(self, layers=[SharedPrefixLayer(hypotheses, attention_ready) for _ in range(num_layers)])
         #: Hypotheses per input that ``generate`` planned (``max(num_beams, num_return_sequences)``).
-        self.group_size = group_size
+        self.hypotheses_per_input = group_size
 
     @classmethod
     def from_cache(

@@ -111,7 +111,7 @@ def _prefill_problem(
     model_kwargs: dict[str, Any],
     is_first_iteration: bool,
 ) -> str | None:
-    group, rows = cache.group_size, input_ids.shape[0]
+    group, rows = cache.hypotheses_per_input, input_ids.shape[0]
     if not is_first_iteration:
         return "not the first iteration"
     if generation_config.prefill_chunk_size is not None:
@@ -159,7 +159,7 @@ def make_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
             # Still correct: the cache then holds the prompt per hypothesis (no saving, no harm).
             registry.fallback(FEATURE, f"prompt prefilled per hypothesis: {problem}")
             return original(self, input_ids, generation_config, model_kwargs, is_first_iteration)
-        group = cache.group_size
+        group = cache.hypotheses_per_input
         shared_kwargs = {
             key: value[::group] if key in PER_ROW_INPUTS and isinstance(value, torch.Tensor) else value
             for key, value in model_kwargs.items()
