@@ -75,9 +75,12 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _layer_tensors(cache: Any) -> list[torch.Tensor]:
+    """Every K/V tensor a cache layer holds: ``keys``/``values`` and, for fastgen's shared-prompt layers,
+    the ``prefix_keys``/``prefix_values`` kept once per input (``keys``/``values`` are then the suffix)."""
     tensors = []
     for layer in getattr(cache, "layers", []):
-        tensors += [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        for name in ("keys", "values", "prefix_keys", "prefix_values"):
+            tensors.append(getattr(layer, name, None))
     return [t for t in tensors if t is not None]
 
 
@@ -106,6 +109,7 @@ def environment(device: str) -> dict[str, Any]:
         "fastgen": fastgen.__version__,
         "git_commit": _git_commit(),
         "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
     if device == "cuda":
         facts["device"] = torch.cuda.get_device_name()

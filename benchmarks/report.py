@@ -17,11 +17,10 @@ def _row(r: dict) -> str | None:
     if "baseline" not in r or "speedup" not in r:
         return None  # not a generation result (e.g. an op micro-benchmark)
     s, b, f = r["settings"], r["baseline"], r["fastgen"]
-    cross = r.get("cross_attention_cache_ratio")
     return (
         f"| {r['scenario']} | {_device(r['environment'])} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
         f"{s['dtype']} | {b['new_tokens_per_s']:.1f} | {f['new_tokens_per_s']:.1f} | **{r['speedup']:.2f}×** | "
-        f"{'—' if cross is None else f'{cross:.3f}'} | {'yes' if r['identical_outputs'] else 'NO'} | "
+        f"{_cache_ratio(r)} | {'yes' if r['identical_outputs'] else 'NO'} | "
         f"{r['environment'].get('git_commit') or '?'} |"
     )
 
@@ -31,11 +30,20 @@ def _device(env: dict) -> str:
     return env["device"] if "cpu_count" not in env else f"{env['device']}, {threads} thread(s)"
 
 
+def _cache_ratio(r: dict) -> str:
+    """The KV cache fastgen shrank: cross-attention (encoder-decoder) or self-attention (decoder-only)."""
+    cross = r.get("cross_attention_cache_ratio")
+    if cross is not None:
+        return f"cross {cross:.3f}"
+    own = r.get("self_attention_cache_ratio")
+    return "—" if own is None else f"self {own:.3f}"
+
+
 def table() -> str:
     rows = [_row(json.loads(p.read_text())) for p in sorted(RESULTS.glob("*.json"))]
     header = (
         "| scenario | device | batch×input→new, dtype | upstream tok/s | fastgen tok/s | speedup "
-        "| cross-attn cache (fastgen/upstream) | identical | commit |\n"
+        "| KV cache (fastgen/upstream) | identical | commit |\n"
         "|---|---|---|---|---|---|---|---|---|"
     )
     return "\n".join([header, *[r for r in rows if r]])

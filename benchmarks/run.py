@@ -73,9 +73,10 @@ def run_scenario(scenario: Scenario, device: str, dtype: str, rounds: int, overr
             "kv_cache_bytes": outputs[variant].kv_cache_bytes,
         }
     result["speedup"] = result["baseline"]["median_s"] / result["fastgen"]["median_s"]
-    base_cross = result["baseline"]["kv_cache_bytes"].get("cross_attention")
-    if base_cross:
-        result["cross_attention_cache_ratio"] = result["fastgen"]["kv_cache_bytes"]["cross_attention"] / base_cross
+    for part in ("self_attention", "cross_attention"):
+        base_bytes = result["baseline"]["kv_cache_bytes"].get(part)
+        if base_bytes:
+            result[f"{part}_cache_ratio"] = result["fastgen"]["kv_cache_bytes"][part] / base_bytes
     result["sample_output"] = {v: outputs[v].sequences[0, -min(n, 12) :].tolist() for v in outputs}
     return result
 

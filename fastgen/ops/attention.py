@@ -24,6 +24,7 @@ __all__ = [
     "group_beam_queries",
     "layout_for_groups",
     "merge_attention_states",
+    "prefix_shared_attention",
     "shared_kv_attention",
     "ungroup_beam_output",
     "ungroup_beam_rows",
@@ -163,3 +164,71 @@ def merge_attention_states(
     weight_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).unsqueeze(-1)
     out = weight_a * out_a.float() + weight_b * out_b.float()
     return out.to(out_a.dtype), lse
+
+
+def prefix_shared_attention(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of ``B*G`` hypotheses over a prefix shared per input followed by their own suffix.
+
+    Decoder-only beam search (FastSeq §4.1.1): the prompt's keys/values are the same for all ``G``
+    hypotheses of an input, the generated tokens' are not. This is attention over the per-hypothesis
+    concatenation ``[prefix ; suffix]`` without building it: the prefix scores are one matmul per
+    input with the ``G`` hypotheses (and the ``H // Hkv`` query heads of a key head) as extra query
+    rows, so each prefix K/V is read once per input; one softmax then runs over the concatenated
+    scores, as eager attention does, and the two value products are summed.
+
+    Args:
+        query: ``(B*G, H, q, D)``; rows ``b*G .. b*G+G-1`` belong to input ``b``.
+        prefix_key / prefix_value: ``(B, Hkv, P, D)`` / ``(B, Hkv, P, Dv)``, ``H`` a multiple of ``Hkv``
+            (query head ``h`` reads key head ``h // (H // Hkv)``, as ``repeat_kv`` lays them out).
+        suffix_key / suffix_value: ``(B*G, Hkv, T, D)`` / ``(B*G, Hkv, T, Dv)``; ``T`` may be 0.
+        attn_mask: optional mask over the concatenated keys, boolean (True = attend) or additive,
+            broadcastable to ``(B*G, H, q, P+T)`` (what Transformers builds for the full cache).
+            None attends to every key. Masked scores get the dtype's minimum, as Transformers' eager
+            masks do (a fully masked row becomes uniform rather than NaN).
+        scale: score scale, default ``D ** -0.5``; applied after the product, as eager attention does.
+        return_weights: also return the attention probabilities ``(B*G, H, q, P+T)``.
+
+    Returns:
+        ``out`` ``(B*G, H, q, Dv)`` in the query dtype (softmax in float32), and the weights or None.
+    """
+    rows, heads, q_len, dim = query.shape
+    batch, kv_heads, prefix_len = prefix_key.shape[:3]
+    if rows % batch or heads % kv_heads or tuple(suffix_key.shape[:2]) != (rows, kv_heads):
+        shapes = f"query {tuple(query.shape)}, prefix {tuple(prefix_key.shape)}, suffix {tuple(suffix_key.shape)}"
+        raise ValueError(f"shapes do not fit: {shapes}")
+    group, n_rep = rows // batch, heads // kv_heads
+    suffix_len, value_dim = suffix_key.shape[2], prefix_value.shape[-1]
+    scale = dim**-0.5 if scale is None else scale
+
+    def to_prefix_layout(t: torch.Tensor) -> torch.Tensor:  # (B*G, H, q, X) -> (B, Hkv, G*n_rep*q, X)
+        t = t.reshape(batch, group, kv_heads, n_rep * q_len, t.shape[-1]).transpose(1, 2)
+        return t.reshape(batch, kv_heads, group * n_rep * q_len, t.shape[-1])
+
+    def from_prefix_layout(t: torch.Tensor) -> torch.Tensor:  # inverse of to_prefix_layout
+        t = t.reshape(batch, kv_heads, group, n_rep * q_len, t.shape[-1]).transpose(1, 2)
+        return t.reshape(rows, heads, q_len, t.shape[-1])
+
+    per_kv_head = query.reshape(rows, kv_heads, n_rep * q_len, dim)
+    prefix_scores = from_prefix_layout(torch.matmul(to_prefix_layout(query), prefix_key.transpose(-1, -2)))
+    suffix_scores = torch.matmul(per_kv_head, suffix_key.transpose(-1, -2)).reshape(rows, heads, q_len, suffix_len)
+    scores = torch.cat([prefix_scores, suffix_scores], dim=-1) * scale
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    prefix_probs, suffix_probs = probs[..., :prefix_len], probs[..., prefix_len:]
+    out = from_prefix_layout(torch.matmul(to_prefix_layout(prefix_probs), prefix_value))
+    suffix_out = torch.matmul(suffix_probs.reshape(rows, kv_heads, n_rep * q_len, suffix_len), suffix_value)
+    out = out + suffix_out.reshape(rows, heads, q_len, value_dim)
+    return out, probs if return_weights else None

@@ -326,6 +326,12 @@ def is_enabled() -> bool:
     return _state.enabled_features is not None
 
 
+def feature_enabled(feature: str) -> bool:
+    """True while ``feature`` is selected by :func:`enable` (cheap enough to ask per call)."""
+    chosen = _state.enabled_features
+    return chosen is not None and (not chosen or feature in chosen)
+
+
 def active() -> bool:
     """True unless the current context is inside :func:`unpatched`."""
     return _active.get()

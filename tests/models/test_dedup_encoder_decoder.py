@@ -207,11 +207,13 @@ def test_precomputed_encoder_outputs() -> None:
     assert encoder_outputs.last_hidden_state.shape[0] == 2
 
 
-def test_decoder_only_and_unsupported_families_are_untouched() -> None:
+def test_decoder_only_models_get_no_cross_attention_cache() -> None:
+    """Decoder-only models take the shared-prompt path (test_dedup_decoder_only.py), not this one."""
     model = harness.tiny_hf_model("gpt2")
     inputs = harness.tiny_inputs(model, batch=2)
     _, patched = harness.assert_same_generation(model, inputs, features=["dedup"], max_new_tokens=5, num_beams=3)
-    assert type(patched.past_key_values) is DynamicCache
+    assert isinstance(patched.past_key_values, DynamicCache)
+    assert not isinstance(patched.past_key_values, BeamSharedCrossAttentionCache)
 
 
 def test_patches_are_declared_and_applied() -> None:
@@ -221,7 +223,7 @@ def test_patches_are_declared_and_applied() -> None:
             for row in fastgen.status()
             if row.feature == "dedup" and row.target.startswith("transformers.")
         }
-    assert len(states) == 3
+    assert len(states) == 4  # expand inputs, prepare cache, prefill (decoder-only), attention interface
     assert set(states.values()) == {"applied"}, states
 
 

@@ -11,6 +11,7 @@ from fastgen.ops.attention import (
     group_beam_queries,
     layout_for_groups,
     merge_attention_states,
+    prefix_shared_attention,
     shared_kv_attention,
     ungroup_beam_output,
     ungroup_beam_rows,
@@ -123,3 +124,68 @@ def test_layout_for_groups_shapes() -> None:
     assert torch.equal(layout_for_groups(per_row, batch, group, q_len), group_beam_queries(per_row, group))
     assert layout_for_groups(torch.randn(5, 1, 1, kv_len), batch, group, q_len) is None
     assert layout_for_groups(torch.randn(batch, 1, 3, kv_len), batch, group, q_len) is None
+
+
+prefix_shapes = st.tuples(
+    st.integers(1, 3),  # batch
+    st.integers(1, 4),  # group
+    st.sampled_from([(2, 2), (4, 2), (4, 1)]),  # heads, kv heads
+    st.integers(1, 3),  # q
+    st.integers(1, 9),  # P
+    st.integers(0, 4),  # T (0: the first decoding step's state before its own token)
+    st.sampled_from(["none", "bool_per_row", "bool_broadcast", "float"]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=prefix_shapes, seed=st.integers(0, 2**16))
+def test_prefix_shared_attention_matches_attention_over_the_concatenation(shape, seed) -> None:
+    """Shared prefix + own suffix == plain attention over each hypothesis' ``[prefix ; suffix]`` (and the lse merge)."""
+    batch, group, (heads, kv_heads), q_len, prefix_len, suffix_len, mask_kind = shape
+    rows, total, dim = batch * group, prefix_len + suffix_len + q_len, 8
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(rows, heads, q_len, dim, generator=gen)
+    prefix_k, prefix_v = (
+        torch.randn(batch, kv_heads, prefix_len, dim, generator=gen),
+        torch.randn(batch, kv_heads, prefix_len, dim + 1, generator=gen),
+    )
+    # The suffix includes the queries' own tokens, as after a cache update.
+    suffix_k = torch.randn(rows, kv_heads, total - prefix_len, dim, generator=gen)
+    suffix_v = torch.randn(rows, kv_heads, total - prefix_len, dim + 1, generator=gen)
+    mask = None
+    if mask_kind == "bool_per_row":
+        mask = torch.rand(rows, 1, q_len, total, generator=gen) > 0.3
+        mask[..., -1] = True  # every query sees at least one key, as a causal mask guarantees
+    elif mask_kind == "bool_broadcast":
+        mask = (torch.rand(1, 1, q_len, total, generator=gen) > 0.3) | (torch.arange(total) == total - 1)
+    elif mask_kind == "float":
+        mask = torch.randn(rows, heads, q_len, total, generator=gen)
+    out, weights = prefix_shared_attention(
+        query, prefix_k, prefix_v, suffix_k, suffix_v, mask, scale=0.5, return_weights=True
+    )
+    full_k = torch.cat([prefix_k.repeat_interleave(group, 0), suffix_k], dim=2)
+    full_v = torch.cat([prefix_v.repeat_interleave(group, 0), suffix_v], dim=2)
+    expected, _ = _naive(query, full_k, full_v, mask, 0.5)
+    assert out.shape == (rows, heads, q_len, dim + 1) and weights.shape == (rows, heads, q_len, total)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(rows, heads, q_len), atol=1e-5, rtol=1e-5)
+    if mask is None or mask.dtype == torch.bool:  # same thing via two lse states and a merge
+        prefix_mask = None if mask is None else mask[..., :prefix_len].expand(rows, 1, q_len, prefix_len)
+        suffix_mask = None if mask is None else mask[..., prefix_len:].expand(rows, 1, q_len, total - prefix_len)
+        out_a, lse_a = shared_kv_attention(query, prefix_k, prefix_v, prefix_mask, scale=0.5)
+        out_b, lse_b = shared_kv_attention(query, suffix_k, suffix_v, suffix_mask, scale=0.5)
+        merged, _ = merge_attention_states(out_a, lse_a, out_b, lse_b)
+        torch.testing.assert_close(merged, out, atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_shared_attention_weights_are_eager_probabilities() -> None:
+    """The returned weights are what eager attention returns over the concatenated keys."""
+    torch.manual_seed(0)
+    batch, group, heads, dim = 2, 3, 4, 8
+    query = torch.randn(batch * group, heads, 1, dim)
+    prefix_k, prefix_v = torch.randn(batch, heads, 5, dim), torch.randn(batch, heads, 5, dim)
+    suffix_k, suffix_v = torch.randn(batch * group, heads, 2, dim), torch.randn(batch * group, heads, 2, dim)
+    full_k = torch.cat([prefix_k.repeat_interleave(group, 0), suffix_k], dim=2)
+    probs = torch.softmax(torch.matmul(query, full_k.transpose(-1, -2)) * dim**-0.5, dim=-1)
+    _, weights = prefix_shared_attention(query, prefix_k, prefix_v, suffix_k, suffix_v, return_weights=True)
+    torch.testing.assert_close(weights, probs, atol=1e-7, rtol=1e-6)

@@ -1,5 +1,10 @@
 """Generation hooks that keep encoder-decoder cross-attention at one row per input ("dedup").
 
+Decoder-only models share the same three patch points for the prompt's K/V instead: step 2 hands
+them to :func:`~fastgen.optimizer.transformers.prompt_dedup.prepare_decoder_only_cache`, step 3
+wraps every attention function with :func:`~fastgen.models.decoder_only.prefix_attention`, and a
+fourth hook (``_prefill``) lives in :mod:`.prompt_dedup`.
+
 ``generate`` with ``num_beams=M`` (or ``num_return_sequences=M`` when sampling) expands every
 input ``M`` times before decoding. Three small hooks change that for the families of
 :data:`fastgen.models.encoder_decoder.CROSS_ATTENTION_FAMILIES`:
@@ -34,8 +39,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers.generation.configuration_utils import GenerationMode
 
+from fastgen.models.decoder_only import prefix_attention
 from fastgen.models.encoder_decoder import (
     GROUPABLE_IMPLEMENTATIONS,
     BeamSharedCrossAttentionCache,
@@ -44,14 +49,11 @@ from fastgen.models.encoder_decoder import (
     shared_cross_attention_problem,
 )
 from fastgen.optimizer.registry import fallback
-
-FEATURE = "dedup"
+from fastgen.optimizer.transformers.prompt_dedup import note_attention_fallback, prepare_decoder_only_cache
+from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem
 
 #: The encoder-side entries of ``model_kwargs`` that stay at one row per input.
 SHARED_KWARGS = ("encoder_outputs", "attention_mask")
-
-#: Decoding modes whose loops only feed the model and reorder the cache (no per-row surgery).
-SHARED_MODES = frozenset({GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE, GenerationMode.SAMPLE})
 
 
 def _shared_inputs_problem(model: Any, model_kwargs: dict[str, Any]) -> str | None:
@@ -128,20 +130,6 @@ def expand_shared_inputs(model_kwargs: dict[str, Any], group: int) -> None:
         model_kwargs["attention_mask"] = model_kwargs["attention_mask"].repeat_interleave(group, dim=0)
 
 
-def _cache_problem(generation_config: Any, model_kwargs: dict[str, Any], generation_mode: Any) -> str | None:
-    if generation_mode not in SHARED_MODES:
-        return f"generation mode {generation_mode}"
-    if model_kwargs.get("past_key_values") is not None:
-        return "a user-provided cache"
-    if generation_config.use_cache is False:
-        return "use_cache=False"
-    if generation_config.cache_implementation not in (None, "dynamic"):
-        return f"cache_implementation={generation_config.cache_implementation!r}"
-    if getattr(generation_config, "is_assistant", False):
-        return "assistant model"
-    return None
-
-
 def make_prepare_cache(original: Callable[..., Any]) -> Callable[..., Any]:
     """Replacement for ``GenerationMixin._prepare_cache_for_generation`` (see module docstring, 2)."""
 
@@ -153,10 +141,14 @@ def make_prepare_cache(original: Callable[..., Any]) -> Callable[..., Any]:
         batch_size: int,
         max_cache_length: int,
     ) -> Any:
+        if not getattr(self.config, "is_encoder_decoder", False):
+            return prepare_decoder_only_cache(
+                original, self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
         group = shared_group_size(self, generation_config, model_kwargs, batch_size)
         if group == 1:
             return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
-        problem = _cache_problem(generation_config, model_kwargs, generation_mode)
+        problem = cache_problem(generation_config, model_kwargs, generation_mode)
         if problem is not None:
             fallback(FEATURE, problem)
             expand_shared_inputs(model_kwargs, group)
@@ -180,7 +172,8 @@ def make_get_interface(original: Callable[..., Any]) -> Callable[..., Any]:
     def get_interface(self: Any, attn_implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
         attention = original(self, attn_implementation, default)
         if attn_implementation in GROUPABLE_IMPLEMENTATIONS:
-            return grouped_attention(attention)
-        return attention
+            attention = grouped_attention(attention)
+        # Every implementation gets the prefix check: a shared-prompt key must never reach one unexpanded.
+        return prefix_attention(attention, attn_implementation, note_attention_fallback)
 
     return get_interface

@@ -21,7 +21,8 @@ PATCHES += [
         versions=HF_DEDUP_VERSIONS,
         expects=("self", "expand_size", "is_encoder_decoder", "input_ids"),
     ),
-    # Confirm (beam-shared cross-attention cache) or undo (upstream expansion) per decoding mode.
+    # Confirm (beam-shared cross-attention cache) or undo (upstream expansion) per decoding mode;
+    # decoder-only: install the shared-prompt cache.
     Patch(
         feature="dedup",
         target="transformers.generation.utils:GenerationMixin._prepare_cache_for_generation",
@@ -30,7 +31,17 @@ PATCHES += [
         versions=HF_DEDUP_VERSIONS,
         expects=("generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length"),
     ),
-    # Run beam queries grouped against the shared cross-attention K/V with the stock sdpa/eager kernels.
+    # Decoder-only: prefill the prompt once per input into the shared-prompt cache, repeat the outputs.
+    Patch(
+        feature="dedup",
+        target="transformers.generation.utils:GenerationMixin._prefill",
+        factory="fastgen.optimizer.transformers.prompt_dedup:make_prefill",
+        package="transformers",
+        versions=HF_DEDUP_VERSIONS,
+        expects=("input_ids", "generation_config", "model_kwargs", "is_first_iteration"),
+    ),
+    # Run beam queries grouped against the shared cross-attention K/V with the stock sdpa/eager kernels;
+    # attend decoder-only suffix keys over their shared prompt prefix.
     Patch(
         feature="dedup",
         target="transformers.modeling_utils:AttentionInterface.get_interface",
