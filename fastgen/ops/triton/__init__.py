@@ -1,0 +1,1 @@
+"""Triton kernels. Importing this package does not import Triton; each kernel module does, lazily."""
