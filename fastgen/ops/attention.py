@@ -236,7 +236,9 @@ def shared_kv_attention_reference(
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not fit query {tuple(query.shape)}")
         scores = scores + _additive(laid_out, scores.dtype)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    # softmax, not exp(scores - lse): near finfo.min (Transformers' mask value) lse absorbs log(S) in
+    # rounding and exp(scores - lse) would sum to S, where upstream softmax gives a uniform row.
+    probs = torch.softmax(scores, dim=-1)
     probs = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(probs), probs)
     out = torch.matmul(probs, value.float())
     return ungroup_beam_rows(out, group_size).to(query.dtype), ungroup_beam_rows(lse.unsqueeze(-1), group_size)[..., 0]

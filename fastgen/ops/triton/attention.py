@@ -75,6 +75,7 @@ def _shared_kv_attention_kernel(
     Mask,
     Out,
     Lse,
+    RowSum,
     stride_qr,
     stride_qh,
     stride_qs,
@@ -120,9 +121,10 @@ def _shared_kv_attention_kernel(
 ):
     """One (input, kv head) x query-row block x key range: online softmax over its K/V tiles.
 
-    With ``SPLIT`` the normalised partial output (float32) and its lse go to a workspace
-    ``(B*Hkv, splits, rows, Dv)`` / ``(B*Hkv, splits, rows)`` for :func:`_combine_splits_kernel`;
-    otherwise straight to ``Out`` (query dtype) and ``Lse``.
+    With ``SPLIT`` the normalised partial output (float32) goes to a workspace ``(B*Hkv, splits,
+    rows, Dv)`` and the running max and sum (not their lse: see :func:`_combine_splits_kernel`)
+    to ``(B*Hkv, splits, rows)`` ones; otherwise the output goes straight to ``Out`` (query dtype)
+    and ``Lse``.
     """
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -185,7 +187,8 @@ def _shared_kv_attention_kernel(
         rows_base = (pid_bh * tl.num_programs(2) + pid_s).to(tl.int64) * (GROUP * HEAD_GROUP * Q_LEN)
         o_ptrs = Out + (rows_base + offs_m)[:, None] * VALUE_DIM + offs_dv[None, :]
         tl.store(o_ptrs, out, mask=row_ok[:, None] & dv_ok[None, :])
-        tl.store(Lse + rows_base + offs_m, lse, mask=row_ok)
+        tl.store(Lse + rows_base + offs_m, m_i, mask=row_ok)
+        tl.store(RowSum + rows_base + offs_m, l_i, mask=row_ok)
     else:
         o_ptrs = Out + hyp[:, None] * stride_or + head[:, None] * stride_oh + qi[:, None] * stride_os
         o_ptrs = o_ptrs + offs_dv[None, :] * stride_od
@@ -196,7 +199,8 @@ def _shared_kv_attention_kernel(
 @triton.jit
 def _combine_splits_kernel(
     PartOut,
-    PartLse,
+    PartMax,
+    PartSum,
     Out,
     Lse,
     num_splits,
@@ -215,7 +219,12 @@ def _combine_splits_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """Merge the key-range splits of one (input, kv head) row block by their lse (empty splits add nothing)."""
+    """Merge the key-range splits of one (input, kv head) row block; empty splits (sum 0) add nothing.
+
+    Weights come from each split's (max, sum), not from its lse = max + log(sum): with scores near
+    ``finfo.min`` (Transformers' mask value) log(sum) vanishes in rounding and equal lse would
+    weigh a 16-key split like a 2-key one, where one softmax over all keys counts every key.
+    """
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     _, _, offs_m, row_ok, _, hyp, head, qi = _row_coordinates(
@@ -228,11 +237,12 @@ def _combine_splits_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for split in range(0, num_splits):
         rows_base = (pid_bh * num_splits + split).to(tl.int64) * (GROUP * HEAD_GROUP * Q_LEN)
-        lse_s = tl.load(PartLse + rows_base + offs_m, mask=row_ok, other=float("-inf"))
-        m_new = tl.maximum(m_i, lse_s)
+        max_s = tl.load(PartMax + rows_base + offs_m, mask=row_ok, other=float("-inf"))
+        sum_s = tl.load(PartSum + rows_base + offs_m, mask=row_ok, other=0.0)
+        m_new = tl.maximum(m_i, max_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2((m_i - m_safe) * 1.4426950408889634)
-        weight = tl.exp2((lse_s - m_safe) * 1.4426950408889634)
+        weight = sum_s * tl.exp2((max_s - m_safe) * 1.4426950408889634)
         part = tl.load(
             PartOut + (rows_base + offs_m)[:, None] * VALUE_DIM + offs_dv[None, :],
             mask=row_ok[:, None] & dv_ok[None, :],
@@ -364,9 +374,10 @@ def shared_kv_attention(
     split = num_splits > 1
     if split:
         target = torch.empty((batch * kv_heads, num_splits, n_rows, value_dim), dtype=torch.float32, device=out.device)
-        target_lse = torch.empty((batch * kv_heads, num_splits, n_rows), dtype=torch.float32, device=out.device)
+        target_max = torch.empty((batch * kv_heads, num_splits, n_rows), dtype=torch.float32, device=out.device)
+        target_sum = torch.empty_like(target_max)
     else:
-        target, target_lse = out, lse
+        target, target_max, target_sum = out, lse, lse
     shape_args = {"KV_HEADS": kv_heads, "GROUP": group, "HEAD_GROUP": head_group, "Q_LEN": q_len}
     _shared_kv_attention_kernel[(batch * kv_heads, row_blocks, num_splits)](
         query,
@@ -374,7 +385,8 @@ def shared_kv_attention(
         value,
         mask,
         target,
-        target_lse,
+        target_max,
+        target_sum,
         *query.stride(),
         *key.stride(),
         *value.stride(),
@@ -401,7 +413,8 @@ def shared_kv_attention(
     if split:
         _combine_splits_kernel[(batch * kv_heads, row_blocks)](
             target,
-            target_lse,
+            target_max,
+            target_sum,
             out,
             lse,
             num_splits,
