@@ -7,8 +7,12 @@ program in numpy. The ``gpu`` test runs the compiled kernel on CUDA.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,6 +236,17 @@ def test_triton_import_failure_is_reported_once(monkeypatch: pytest.MonkeyPatch,
         attention._load_triton.cache_clear()
     assert len([r for r in caplog.records if "Triton attention backend unavailable" in r.message]) == 1
     torch.testing.assert_close(out, shared_kv_attention_reference(*call)[0])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="no NVIDIA Triton backend")
+def test_kernels_compile_for_sm90_without_spills() -> None:
+    """What the interpreter cannot check: the kernels compile for a real GPU, and fit in registers."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.ops.triton_compile_check"], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
 
 
 @pytest.mark.gpu
