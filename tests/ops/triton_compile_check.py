@@ -1,9 +1,12 @@
 """Compile the Triton attention kernels for a real GPU target without a GPU (run as a script).
 
-The interpreter checks the numerics but not what only the compiler sees (layouts, register
-use). ``python -m tests.ops.triton_compile_check`` compiles the launcher's own tile configs for
-sm_90 with the argument specialisations a contiguous launch gets, and reports ptxas' register
-and stack (spill) use. Prints one line per config; exits non-zero on a compile error or a spill.
+The interpreter checks the numerics but not what only the compiler sees (layouts, tensor-core
+use, registers). ``python -m tests.ops.triton_compile_check`` plans real calls on ``meta``
+tensors with the launcher's own :func:`~fastgen.ops.triton.attention.plan`, specialises the
+arguments the way Triton's JIT does, compiles every launch for sm_90 and reports ptxas'
+registers and stack (spill) bytes. Exits non-zero on a compile error or a stack over
+``MAX_STACK`` bytes (spills beyond a pointer or two parked across the key loop). Needs no GPU,
+only the NVIDIA backend Triton wheels ship (ptxas included); must run without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -16,29 +19,52 @@ import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
 from fastgen.ops.triton import attention as kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
-UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_ms"}  # contiguous last axes
-TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+MAX_STACK = 16  # seen: 8 bytes, one 64-bit pointer stored before the key loop and reloaded after it
+
+# (name, dtype, B, G, H, Hkv, q, S, D, mask, num_splits); mask: none | bool-input | bool-hyp | float-hyp
+CALLS = [
+    ("decode, per-input mask", torch.float16, 32, 4, 16, 16, 1, 1000, 64, "bool-input", None),
+    ("decode, per-beam mask, split", torch.float16, 32, 4, 16, 16, 1, 1000, 64, "bool-hyp", 4),
+    ("GQA 4, bias, split", torch.bfloat16, 4, 4, 32, 8, 1, 3001, 128, "float-hyp", 8),
+    ("GQA 8, q=2: 128 rows", torch.float16, 2, 8, 32, 4, 2, 500, 128, "bool-input", None),
+    ("fp32, q=3", torch.float32, 2, 2, 4, 4, 3, 200, 64, "none", None),
+    ("head dim 256", torch.bfloat16, 2, 4, 8, 8, 1, 300, 256, "none", None),
+]
 
 
-def _specialised(fn, pointer_types: dict[str, str], constants: dict[str, object]) -> ASTSource:
+def _meta_call(dtype, batch, group, heads, kv_heads, q_len, kv_len, dim, mask):
+    def empty(*shape, dtype=dtype):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    query, key = empty(batch * group, heads, q_len, dim), empty(batch, kv_heads, kv_len, dim)
+    value = empty(batch, kv_heads, kv_len, dim)
+    rows = batch * group if mask.endswith("hyp") else batch
+    attn_mask = None if mask == "none" else empty(rows, 1, 1, kv_len, dtype=torch.bool if "bool" in mask else dtype)
+    return query, key, value, attn_mask
+
+
+def _source(launch: kernels.Launch) -> ASTSource:
+    """The ASTSource Triton's JIT would build for these arguments (same specialisation rules)."""
+    names = launch.kernel.arg_names
     signature, constexprs, attrs = {}, {}, {}
-    for index, name in enumerate(fn.arg_names):
-        if name in constants:
-            signature[name], constexprs[(index,)] = "constexpr", constants[name]
-        elif name in UNIT_STRIDES:
-            signature[name], constexprs[(index,)] = "constexpr", 1
-        elif name in pointer_types:
-            signature[name] = pointer_types[name]
+    for index, arg in enumerate(launch.args):
+        kind, spec = native_specialize_impl(BaseBackend, arg, False, True, True)
+        signature[names[index]] = kind
+        if kind == "constexpr":
+            constexprs[(index,)] = spec
+        elif spec == "D":
             attrs[(index,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "fp32" if name == "scale" else "i32"
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    for name, value in launch.constants.items():
+        index = names.index(name)
+        signature[name], constexprs[(index,)] = "constexpr", value
+    return ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
 def _usage(compiled) -> tuple[int, int] | None:
@@ -54,42 +80,20 @@ def _usage(compiled) -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
-def check(dtype: torch.dtype, dim: int, n_rows: int, mask: str, split: bool) -> tuple[str, bool]:
-    """Compile one config; ``mask`` is none, bool-input, bool-hyp, float-input or float-hyp."""
-    block_d = max(16, triton.next_power_of_2(dim))
-    block_m, block_n, num_warps = kernels._tile_config(dtype, n_rows, block_d)
-    ty = TRITON_DTYPES[dtype]
-    constants = {
-        "KV_HEADS": 8, "GROUP": 4, "HEAD_GROUP": max(1, n_rows // 4), "Q_LEN": 1, "HEAD_DIM": dim, "VALUE_DIM": dim,
-        "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d, "HAS_MASK": mask != "none",
-        "MASK_IS_BOOL": mask.startswith("bool"), "MASK_PER_ROW": mask.endswith("hyp"), "SPLIT": split,
-        "UPCAST_DOT": False,
-    }  # fmt: skip
-    pointers = {"Q": f"*{ty}", "K": f"*{ty}", "V": f"*{ty}", "Mask": "*u8" if mask.startswith("bool") else f"*{ty}"}
-    pointers |= {"Out": "*fp32" if split else f"*{ty}", "Lse": "*fp32", "RowSum": "*fp32"}
-    source = _specialised(kernels._shared_kv_attention_kernel, pointers, constants)
-    compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps})
-    usage = _usage(compiled)
-    line = (
-        f"{ty} D={dim} rows={n_rows} mask={mask} split={split}: BLOCK_M={block_m} BLOCK_N={block_n} warps={num_warps}"
-    )
-    return f"{line} regs/stack={usage}", usage is None or usage[1] == 0
-
-
 def main() -> int:
     ok = True
-    configs = [(torch.float16, 64, 4, "bool-input", False), (torch.float16, 64, 4, "bool-hyp", True)]
-    configs += [(torch.float16, 128, 32, "float-hyp", True), (torch.bfloat16, 128, 64, "none", False)]
-    configs += [(torch.float32, 64, 8, "bool-input", True), (torch.bfloat16, 256, 16, "float-input", False)]
-    for config in configs:
-        line, fine = check(*config)
-        print(line)
-        ok &= fine
-    combine = kernels._combine_splits_kernel
-    pointers = {"PartOut": "*fp32", "PartMax": "*fp32", "PartSum": "*fp32", "Out": "*fp16", "Lse": "*fp32"}
-    constants = {"KV_HEADS": 8, "GROUP": 4, "HEAD_GROUP": 1, "Q_LEN": 1, "VALUE_DIM": 64, "BLOCK_M": 16, "BLOCK_DV": 64}
-    triton.compile(_specialised(combine, pointers, constants), target=TARGET, options={"num_warps": 4})
-    print("combine kernel: compiled")
+    for name, dtype, *shape, mask, num_splits in CALLS:
+        _, _, launches = kernels.plan(*_meta_call(dtype, *shape, mask), num_splits=num_splits)
+        for launch in launches:
+            compiled = triton.compile(_source(launch), target=TARGET, options={"num_warps": launch.num_warps})
+            usage = _usage(compiled)
+            tiles = {k: launch.constants[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DV") if k in launch.constants}
+            tensor_cores = any(op in compiled.asm["ptx"] for op in ("mma.sync", "wgmma"))
+            print(
+                f"{name} ({dtype}): {launch.kernel.__name__} grid={launch.grid} {tiles} warps={launch.num_warps} "
+                f"tensor_cores={tensor_cores} registers/stack={usage}"
+            )
+            ok &= usage is None or usage[1] <= MAX_STACK
     return 0 if ok else 1
 
 

@@ -20,6 +20,8 @@ the dispatcher in :mod:`fastgen.ops.attention` asks before choosing this backend
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -346,7 +348,18 @@ def _mask_strides(mask: torch.Tensor, batch: int, group: int, rows: int) -> tupl
     return by_input, by_hyp, s_heads if m_heads > 1 else 0, s_q if m_q > 1 else 0, s_keys
 
 
-def shared_kv_attention(
+@dataclass
+class Launch:
+    """One kernel launch: what :func:`shared_kv_attention` runs, and what a compile check compiles."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constants: dict[str, Any]
+    num_warps: int
+
+
+def plan(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -355,12 +368,10 @@ def shared_kv_attention(
     *,
     block_n: int | None = None,
     num_splits: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`fastgen.ops.attention.shared_kv_attention_reference`.
+) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
+    """Allocate ``out``/``lse`` (and the split workspace) and list the launches that fill them.
 
-    The caller checks :func:`not_supported_reasons` first. ``block_n`` (keys per tile) and
-    ``num_splits`` (key-range splits) exist for tests; by default the keys are split only when
-    the (input, kv head) programs cannot fill the GPU.
+    Works on ``meta`` tensors too, so the compile check sees exactly the arguments a real call passes.
     """
     rows, heads, q_len, dim = query.shape
     batch, kv_heads, kv_len, _ = key.shape
@@ -394,52 +405,65 @@ def shared_kv_attention(
         target_sum = torch.empty_like(target_max)
     else:
         target, target_max, target_sum = out, lse, lse
-    shape_args = {"KV_HEADS": kv_heads, "GROUP": group, "HEAD_GROUP": head_group, "Q_LEN": q_len}
-    _shared_kv_attention_kernel[(batch * kv_heads, row_blocks, num_splits)](
-        query,
-        key,
-        value,
-        mask,
-        target,
-        target_max,
-        target_sum,
-        *query.stride(),
-        *key.stride(),
-        *value.stride(),
-        *mask_strides,
-        *out.stride(),
-        *lse.stride(),
-        kv_len,
-        split_len,
-        scale,
-        **shape_args,
-        HEAD_DIM=dim,
-        VALUE_DIM=value_dim,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        BLOCK_DV=block_dv,
-        HAS_MASK=attn_mask is not None,
-        MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
-        MASK_PER_ROW=mask_per_row,
-        SPLIT=split,
-        UPCAST_DOT=query.dtype == torch.bfloat16 and _interpreting(),
-        num_warps=num_warps,
-    )
-    if split:
-        _combine_splits_kernel[(batch * kv_heads, row_blocks)](
-            target,
-            target_max,
-            target_sum,
-            out,
-            lse,
-            num_splits,
+    shape_constants = {"KV_HEADS": kv_heads, "GROUP": group, "HEAD_GROUP": head_group, "Q_LEN": q_len}
+    attend = Launch(
+        _shared_kv_attention_kernel,
+        (batch * kv_heads, row_blocks, num_splits),
+        (
+            *(query, key, value, mask, target, target_max, target_sum),
+            *query.stride(),
+            *key.stride(),
+            *value.stride(),
+            *mask_strides,
             *out.stride(),
             *lse.stride(),
-            **shape_args,
-            VALUE_DIM=value_dim,
-            BLOCK_M=block_m,
-            BLOCK_DV=block_dv,
-            num_warps=4,
-        )
+            *(kv_len, split_len, scale),
+        ),
+        shape_constants
+        | {
+            "HEAD_DIM": dim,
+            "VALUE_DIM": value_dim,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_D": block_d,
+            "BLOCK_DV": block_dv,
+            "HAS_MASK": attn_mask is not None,
+            "MASK_IS_BOOL": attn_mask is not None and attn_mask.dtype == torch.bool,
+            "MASK_PER_ROW": mask_per_row,
+            "SPLIT": split,
+            "UPCAST_DOT": query.dtype == torch.bfloat16 and _interpreting(),
+        },
+        num_warps,
+    )
+    if not split:
+        return out, lse, [attend]
+    combine = Launch(
+        _combine_splits_kernel,
+        (batch * kv_heads, row_blocks),
+        (target, target_max, target_sum, out, lse, num_splits, *out.stride(), *lse.stride()),
+        shape_constants | {"VALUE_DIM": value_dim, "BLOCK_M": block_m, "BLOCK_DV": block_dv},
+        4,
+    )
+    return out, lse, [attend, combine]
+
+
+def shared_kv_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`fastgen.ops.attention.shared_kv_attention_reference`.
+
+    The caller checks :func:`not_supported_reasons` first. ``block_n`` (keys per tile) and
+    ``num_splits`` (key-range splits) exist for tests; by default the keys are split only when
+    the (input, kv head) programs cannot fill the GPU.
+    """
+    out, lse, launches = plan(query, key, value, attn_mask, scale, block_n=block_n, num_splits=num_splits)
+    for launch in launches:
+        launch.kernel[launch.grid](*launch.args, **launch.constants, num_warps=launch.num_warps)
     return out, lse
