@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         result["environment"]["triton"] = triton.__version__
     except ImportError:
         result["environment"]["triton"] = None
+    if args.device == "cpu":  # a shared machine's other work shows up in CPU timings: record it
+        result["environment"]["load_average_1m"] = os.getloadavg()[0]
     _print(result)
     if not args.no_save:
         args.out.mkdir(parents=True, exist_ok=True)
