@@ -35,6 +35,7 @@ _log = logging.getLogger("fastgen")
 BACKENDS = ("triton", "torch")
 
 __all__ = [
+    "available_backends",
     "group_beam_queries",
     "layout_for_groups",
     "merge_attention_states",
@@ -167,6 +168,22 @@ def shared_kv_attention_backend(
         raise NotImplementedError(f"triton backend cannot run this shared_kv_attention call: {'; '.join(reasons)}")
     _log.debug("shared_kv_attention: torch reference instead of triton: %s", "; ".join(reasons))
     return "torch"
+
+
+def available_backends(device: str | torch.device = "cuda") -> dict[str, str | None]:
+    """Each backend with None if it can run a plain fp16 decode call on ``device``, else why not.
+
+    For ``python -m fastgen.info``; same convention as the other ops' ``available_backends``.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return {"triton": "no CUDA device", "torch": None}
+    kernels, import_error = _load_triton()
+    if kernels is None:
+        return {"triton": import_error, "torch": None}
+    query = torch.empty(2, 1, 1, 16, dtype=torch.float16, device=device)
+    key_value = torch.empty(1, 1, 4, 16, dtype=torch.float16, device=device)
+    return {"triton": "; ".join(kernels.not_supported_reasons(query, key_value, key_value)) or None, "torch": None}
 
 
 def _env_backend() -> str | None:

@@ -220,6 +220,15 @@ def test_unsupported_calls_fall_back_unless_forced_by_argument(monkeypatch: pyte
         shared_kv_attention(*_small_call(), backend="cuda")
 
 
+def test_available_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FASTGEN_BACKEND", raising=False)
+    cpu = attention.available_backends("cpu")
+    assert cpu["torch"] is None
+    assert (cpu["triton"] is None) == INTERPRET
+    if not torch.cuda.is_available():
+        assert attention.available_backends("cuda") == {"triton": "no CUDA device", "torch": None}
+
+
 def test_triton_import_failure_is_reported_once(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     monkeypatch.setattr(attention, "_TRITON_MODULE", "fastgen.ops.triton._no_such_module")
     monkeypatch.setenv("FASTGEN_BACKEND", "triton")

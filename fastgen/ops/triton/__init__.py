@@ -1,1 +1,0 @@
-"""Triton kernels. Importing this package does not import Triton; each kernel module does, lazily."""
