@@ -13,19 +13,36 @@ per input instead of once per hypothesis. :func:`shared_kv_attention` is the tor
 the same computation that also returns the log-sum-exp, so a caller can merge it with attention
 over per-hypothesis keys (:func:`merge_attention_states`) without concatenating caches.
 
-Imports torch only.
+Backends of :func:`shared_kv_attention`: a Triton kernel (:mod:`fastgen.ops.triton.attention`,
+imported on first use) on CUDA tensors when it supports the call, else the torch reference.
+``FASTGEN_BACKEND=triton|torch`` (or ``backend=``) forces one; Triton on CPU tensors runs only
+under ``TRITON_INTERPRET=1``, which is how the CPU test suite exercises it.
+
+Imports torch only (Triton lazily, inside the dispatcher).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
+import os
+from types import ModuleType
+
 import torch
 
+_log = logging.getLogger("fastgen")
+BACKENDS = ("triton", "torch")
+
 __all__ = [
+    "available_backends",
     "group_beam_queries",
     "layout_for_groups",
     "merge_attention_states",
     "prefix_shared_attention",
     "shared_kv_attention",
+    "shared_kv_attention_backend",
+    "shared_kv_attention_reference",
     "ungroup_beam_output",
     "ungroup_beam_rows",
 ]
@@ -107,6 +124,101 @@ def shared_kv_attention(
     value: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``B*G`` hypothesis rows over ``B`` shared key/value sets, with its log-sum-exp.
+
+    Semantics, shapes and the empty-row convention: :func:`shared_kv_attention_reference`.
+    ``backend`` (``"triton"`` or ``"torch"``) forces a backend and raises if it cannot run the
+    call; without it, :func:`shared_kv_attention_backend` picks one and falls back to torch.
+    """
+    choice = shared_kv_attention_backend(query, key, value, attn_mask, backend=backend)
+    if choice == "triton":
+        kernels, _ = _load_triton()
+        return kernels.shared_kv_attention(query, key, value, attn_mask, scale)  # type: ignore[union-attr]
+    return shared_kv_attention_reference(query, key, value, attn_mask, scale)
+
+
+def shared_kv_attention_backend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> str:
+    """The backend :func:`shared_kv_attention` uses for this call (shapes, dtypes, devices only: no sync).
+
+    Order: Triton on CUDA tensors, else torch. ``FASTGEN_BACKEND`` narrows that to one backend plus
+    the torch reference, which always supports the call (a global switch must not break ops or
+    shapes a kernel lacks); an explicit ``backend`` argument is strict and raises with the reasons.
+    """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    forced = backend or _env_backend()
+    if forced == "torch" or (forced is None and query.device.type != "cuda"):
+        return "torch"
+    if forced not in (None, "triton"):  # e.g. FASTGEN_BACKEND=cuda: this op has no CUDA-extension kernel
+        return "torch"
+    kernels, import_error = _load_triton()
+    reasons = [import_error] if kernels is None else kernels.not_supported_reasons(query, key, value, attn_mask)
+    if not reasons:
+        return "triton"
+    if backend == "triton":
+        raise NotImplementedError(f"triton backend cannot run this shared_kv_attention call: {'; '.join(reasons)}")
+    _log.debug("shared_kv_attention: torch reference instead of triton: %s", "; ".join(reasons))
+    return "torch"
+
+
+def available_backends(device: str | torch.device = "cuda") -> dict[str, str | None]:
+    """Each backend with None if it can run a plain fp16 decode call on ``device``, else why not.
+
+    For ``python -m fastgen.info``; same convention as the other ops' ``available_backends``.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return {"triton": "no CUDA device", "torch": None}
+    kernels, import_error = _load_triton()
+    if kernels is None:
+        return {"triton": import_error, "torch": None}
+    query = torch.empty(2, 1, 1, 16, dtype=torch.float16, device=device)
+    key_value = torch.empty(1, 1, 4, 16, dtype=torch.float16, device=device)
+    return {"triton": "; ".join(kernels.not_supported_reasons(query, key_value, key_value)) or None, "torch": None}
+
+
+def _env_backend() -> str | None:
+    """``FASTGEN_BACKEND``, read per call (cheap) so tests and users can switch it at run time."""
+    value = os.environ.get("FASTGEN_BACKEND", "").strip().lower() or None
+    if value in (None, "cuda", "triton", "torch"):
+        return value
+    if value not in _WARNED_ENV:
+        _WARNED_ENV.add(value)
+        _log.warning("fastgen: ignoring FASTGEN_BACKEND=%r (expected cuda, triton or torch)", value)
+    return None
+
+
+_WARNED_ENV: set[str] = set()
+_TRITON_MODULE = "fastgen.ops.triton.attention"
+
+
+@functools.cache
+def _load_triton() -> tuple[ModuleType | None, str]:
+    """Import the Triton kernels once: (module, "") or (None, why). A failure is logged once, then skipped."""
+    try:
+        return importlib.import_module(_TRITON_MODULE), ""
+    except Exception as exc:  # ImportError, or a Triton that breaks while initialising its driver
+        reason = f"triton failed to import ({type(exc).__name__}: {exc})"
+        _log.warning("fastgen: Triton attention backend unavailable, using torch: %s", reason)
+        return None, reason
+
+
+def shared_kv_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``B*G`` hypothesis rows over ``B`` shared key/value sets, with its log-sum-exp.
 
@@ -142,7 +254,9 @@ def shared_kv_attention(
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not fit query {tuple(query.shape)}")
         scores = scores + _additive(laid_out, scores.dtype)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    # softmax, not exp(scores - lse): near finfo.min (Transformers' mask value) lse absorbs log(S) in
+    # rounding and exp(scores - lse) would sum to S, where upstream softmax gives a uniform row.
+    probs = torch.softmax(scores, dim=-1)
     probs = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(probs), probs)
     out = torch.matmul(probs, value.float())
     return ungroup_beam_rows(out, group_size).to(query.dtype), ungroup_beam_rows(lse.unsqueeze(-1), group_size)[..., 0]
