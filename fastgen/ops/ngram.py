@@ -36,6 +36,14 @@ from types import ModuleType
 import torch
 
 logger = logging.getLogger("fastgen")
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("fastgen: %s", message)
+
 
 __all__ = ["BACKENDS", "available_backends", "ban_encoder_ngrams", "ban_repeated_ngrams"]
 
@@ -258,17 +266,24 @@ def _unsupported(backend: str, hay: torch.Tensor, tokens: torch.Tensor, scores: 
 
 
 def _choose_backend(forced: str | None, hay: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor) -> str:
-    """The forced backend (argument, else ``FASTGEN_BACKEND``), else the first that can serve the call.
+    """The backend for this call: ``backend=`` if given, else ``FASTGEN_BACKEND`` if it can serve it,
+    else the first that can (CUDA extension → Triton on CUDA tensors, torch otherwise).
 
-    A forced backend that cannot serve the call raises: forcing is for measuring and bisecting,
-    and a silent fallback would hide what is actually running.
+    An explicit ``backend=`` that cannot serve the call raises (forcing is for measuring and
+    bisecting; a silent fallback would hide what runs). ``FASTGEN_BACKEND`` is process-wide and
+    applies to every op, so a call it cannot serve falls back, with one warning per reason.
     """
-    forced = forced or os.environ.get("FASTGEN_BACKEND", "").strip().lower() or None
     if forced is not None:
         reason = _unsupported(forced, hay, tokens, scores)
         if reason is not None:
             raise RuntimeError(f"n-gram blocking: backend {forced!r} cannot run this call: {reason}")
         return forced
+    preferred = os.environ.get("FASTGEN_BACKEND", "").strip().lower() or None
+    if preferred is not None:
+        reason = _unsupported(preferred, hay, tokens, scores) if preferred in BACKENDS else "unknown backend"
+        if reason is None:
+            return preferred
+        _warn_once(f"n-gram blocking: FASTGEN_BACKEND={preferred!r} cannot run this call ({reason}); using the default")
     if scores.device.type == "cuda":
         for backend in ("cuda", "triton"):
             if _unsupported(backend, hay, tokens, scores) is None:

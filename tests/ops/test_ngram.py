@@ -368,12 +368,15 @@ def test_float64_and_int16_go_to_torch():
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only answers")
-def test_dispatch_on_cpu(monkeypatch):
+def test_dispatch_on_cpu(monkeypatch, caplog):
     tokens, scores = torch.tensor([[1, 2, 1]]), torch.zeros(1, 4)
     assert ngram._choose_backend(None, tokens, tokens, scores) == "torch"
-    monkeypatch.setenv("FASTGEN_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match="backend 'cuda' cannot run this call: tensors on cpu"):
-        ban_repeated_ngrams(tokens, scores, 2)
+        ban_repeated_ngrams(tokens, scores, 2, backend="cuda")  # an explicit backend is strict
+    monkeypatch.setenv("FASTGEN_BACKEND", "cuda")  # the process-wide preference falls back, with a warning
+    with caplog.at_level(logging.WARNING, logger="fastgen"):
+        assert ban_repeated_ngrams(tokens, scores.clone(), 2)[0, 2] == float("-inf")
+    assert "FASTGEN_BACKEND='cuda' cannot run this call (tensors on cpu" in caplog.text
     monkeypatch.setenv("FASTGEN_BACKEND", "torch")
     assert ban_repeated_ngrams(tokens, scores, 2)[0, 2] == float("-inf")
     with pytest.raises(RuntimeError, match="unknown backend"):
