@@ -319,6 +319,10 @@ def prefix_shared_attention(
     if rows % batch or heads % kv_heads or tuple(suffix_key.shape[:2]) != (rows, kv_heads):
         shapes = f"query {tuple(query.shape)}, prefix {tuple(prefix_key.shape)}, suffix {tuple(suffix_key.shape)}"
         raise ValueError(f"shapes do not fit: {shapes}")
+    if not return_weights and _merge_with_kernel(query, prefix_key, prefix_value, attn_mask, prefix_len):
+        return _prefix_shared_attention_merged(
+            query, prefix_key, prefix_value, suffix_key, suffix_value, attn_mask, scale
+        ), None
     group, n_rep = rows // batch, heads // kv_heads
     suffix_len, value_dim = suffix_key.shape[2], prefix_value.shape[-1]
     scale = dim**-0.5 if scale is None else scale
@@ -346,3 +350,46 @@ def prefix_shared_attention(
     suffix_out = torch.matmul(suffix_probs.reshape(rows, kv_heads, n_rep * q_len, suffix_len), suffix_value)
     out = out + suffix_out.reshape(rows, heads, q_len, value_dim)
     return out, probs if return_weights else None
+
+
+def _prefix_mask(attn_mask: torch.Tensor | None, prefix_len: int) -> torch.Tensor | None:
+    return None if attn_mask is None else attn_mask[..., :prefix_len]
+
+
+def _merge_with_kernel(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    prefix_len: int,
+) -> bool:
+    """Whether the prefix part goes to the shared-K/V kernel (Triton) and is merged by log-sum-exp.
+
+    Only where :func:`shared_kv_attention` picks Triton (CUDA tensors, or ``FASTGEN_BACKEND=triton``
+    under the interpreter): on CPU the single concatenated softmax is both faster and rounds like
+    upstream's eager attention.
+    """
+    if attn_mask is not None and attn_mask.dim() != 4:
+        return False
+    prefix_mask = _prefix_mask(attn_mask, prefix_len)
+    return shared_kv_attention_backend(query, prefix_key, prefix_value, prefix_mask) == "triton"
+
+
+def _prefix_shared_attention_merged(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """:func:`prefix_shared_attention` as two attentions merged by log-sum-exp: the prefix through the
+    shared-K/V kernel (each prefix tile read once per input), the short per-hypothesis suffix through
+    the reference (one "input" per hypothesis)."""
+    prefix_len = prefix_key.shape[2]
+    prefix_mask = _prefix_mask(attn_mask, prefix_len)
+    suffix_mask = None if attn_mask is None else attn_mask[..., prefix_len:]
+    out_p, lse_p = shared_kv_attention(query, prefix_key, prefix_value, prefix_mask, scale)
+    out_s, lse_s = shared_kv_attention_reference(query, suffix_key, suffix_value, suffix_mask, scale)
+    return merge_attention_states(out_p, lse_p, out_s, lse_s)[0]

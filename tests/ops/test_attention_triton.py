@@ -291,3 +291,40 @@ def test_cuda_kernel_matches_reference(dtype: torch.dtype, dim: int, monkeypatch
             assert shared_kv_attention_backend(query, key, value, mask) == "triton"
             for launch in ({}, {"num_splits": 1}, {"num_splits": 5}):
                 _assert_matches_reference(query, key, value, mask, **launch)
+
+
+def test_prefix_shared_attention_merges_the_kernel_output(monkeypatch):
+    """With Triton chosen, the decoder-only merge (kernel prefix + reference suffix, log-sum-exp)
+    equals the single concatenated softmax."""
+    from fastgen.ops.attention import prefix_shared_attention
+
+    torch.manual_seed(0)
+    batch, group, heads, kv_heads, prefix_len, suffix_len, dim = 2, 3, 4, 2, 13, 4, 16
+    query = torch.randn(batch * group, heads, 1, dim)
+    prefix_key, prefix_value = torch.randn(2, batch, kv_heads, prefix_len, dim).unbind(0)
+    suffix_key, suffix_value = torch.randn(2, batch * group, kv_heads, suffix_len, dim).unbind(0)
+    mask = torch.ones(batch * group, 1, 1, prefix_len + suffix_len, dtype=torch.bool)
+    mask[group:, :, :, :3] = False  # the second input's prompt is left-padded by 3
+    monkeypatch.setenv("FASTGEN_BACKEND", "torch")
+    expected, _ = prefix_shared_attention(query, prefix_key, prefix_value, suffix_key, suffix_value, mask)
+    monkeypatch.setenv("FASTGEN_BACKEND", "triton")
+    merged, _ = prefix_shared_attention(query, prefix_key, prefix_value, suffix_key, suffix_value, mask)
+    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_generation_through_the_triton_prefix_merge(monkeypatch, family):
+    """End to end: decoder-only beam search with the prompt attended by the Triton kernel."""
+    import fastgen.ops.attention as attention_ops
+    from tests import harness
+
+    if harness.feature_unavailable("dedup"):
+        pytest.skip(harness.feature_unavailable("dedup"))
+    calls = []
+    original = attention_ops._prefix_shared_attention_merged
+    monkeypatch.setattr(attention_ops, "_prefix_shared_attention_merged", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setenv("FASTGEN_BACKEND", "triton")
+    model = harness.tiny_hf_model(family)
+    inputs = harness.tiny_inputs(model, batch=2, length=8)
+    harness.assert_same_generation(model, inputs, features=["dedup"], max_new_tokens=5, num_beams=3)
+    assert calls, "the Triton merge path did not run"
