@@ -14,7 +14,8 @@ from typing import Any
 
 
 def cross_attention_modules(model: Any) -> list[Any]:
-    return [layer.encoder_attn for layer in getattr(model.decoder, "layers", []) if layer.encoder_attn is not None]
+    layers = getattr(getattr(model, "decoder", None), "layers", [])
+    return [attn for layer in layers if (attn := getattr(layer, "encoder_attn", None)) is not None]
 
 
 def unsupported_reason(models: Sequence[Any]) -> str | None:
@@ -30,9 +31,12 @@ def unsupported_reason(models: Sequence[Any]) -> str | None:
         modules = cross_attention_modules(model)
         if not modules or any(type(m) is not MultiheadAttention for m in modules):
             return f"{type(model).__name__}: cross-attention is not fairseq's MultiheadAttention"
-        if any(getattr(m, "beam_size", 1) != 1 for m in modules):
-            return f"{type(model).__name__}: cross-attention is already beamable upstream (e.g. BART)"
     return None
+
+
+def already_beamable(models: Sequence[Any]) -> bool:
+    """True when upstream already shares encoder outputs across beams (fairseq's BART sets this up)."""
+    return any(getattr(m, "beam_size", 1) != 1 for model in models for m in cross_attention_modules(model))
 
 
 @contextlib.contextmanager

@@ -104,3 +104,30 @@ def test_beam_size_restored_after_generation(fairseq_transformer):
     torch.manual_seed(0)
     with fastgen.patched(["dedup"]):  # and a later beam-1 run on the same model is unaffected
         harness.assert_same_fairseq_generation(model, dictionary, sample, features=["dedup"], beam_size=1, max_len_b=4)
+
+
+def test_fairseq_bart_is_left_to_its_own_beamable_attention(caplog):
+    """fairseq's BART already shares encoder outputs across beams: pass through, no warning."""
+    import argparse
+    import logging
+
+    from fairseq.models.bart import BARTModel
+    from fairseq.models.bart.model import bart_base_architecture
+
+    _, dictionary = harness.tiny_fairseq_transformer()
+    args = argparse.Namespace(
+        encoder_embed_dim=32, encoder_ffn_embed_dim=64, encoder_layers=2, encoder_attention_heads=4,
+        decoder_embed_dim=32, decoder_ffn_embed_dim=64, decoder_layers=2, decoder_attention_heads=4,
+        max_source_positions=64, max_target_positions=64,
+    )  # fmt: skip
+    bart_base_architecture(args)
+
+    class _Task:
+        source_dictionary = target_dictionary = dictionary
+
+    torch.manual_seed(0)
+    model = BARTModel.build_model(args, _Task()).eval()
+    sample = harness.tiny_fairseq_sample(dictionary)
+    with caplog.at_level(logging.WARNING, logger="fastgen"):
+        harness.assert_same_fairseq_generation(model, dictionary, sample, features=["dedup"], beam_size=3, max_len_b=6)
+    assert not [r for r in caplog.records if "dedup" in r.getMessage()]

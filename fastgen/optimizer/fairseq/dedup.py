@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fastgen.models.fairseq_transformer import beamable_cross_attention, unsupported_reason
+from fastgen.models.fairseq_transformer import already_beamable, beamable_cross_attention, unsupported_reason
 from fastgen.optimizer.registry import fallback
 
 FEATURE = "dedup"
@@ -23,8 +23,8 @@ def make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def _generate(self: Any, sample: Any, *args: Any, **kwargs: Any) -> Any:
         beam = self.beam_size
-        if beam <= 1 or not self.model.has_encoder():
-            return original(self, sample, *args, **kwargs)
+        if beam <= 1 or not self.model.has_encoder() or already_beamable(self.model.models):
+            return original(self, sample, *args, **kwargs)  # nothing to share, or upstream already does
         if type(self) is not SequenceGenerator:
             fallback(FEATURE, f"{type(self).__name__} is not a plain SequenceGenerator")
             return original(self, sample, *args, **kwargs)
