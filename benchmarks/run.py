@@ -62,6 +62,14 @@ def run_scenario(scenario: Scenario, device: str, dtype: str, rounds: int, overr
         },
         "identical_outputs": bool(torch.equal(outputs["baseline"].sequences, outputs["fastgen"].sequences)),
     }
+    ngram = scenario.generate.get("no_repeat_ngram_size")
+    if ngram:  # the property n-gram blocking promises, checked on each variant's generated tokens
+        result["rows_with_repeated_ngrams"] = {
+            v: rows_with_repeated_ngrams(outputs[v].sequences[:, -n:], ngram) for v in outputs
+        }
+    difference = scenario.known_output_difference(device)
+    if difference is not None:
+        result["outputs_note"] = difference
     for variant in ("baseline", "fastgen"):
         median = statistics.median(samples[variant])
         result[variant] = {
@@ -78,6 +86,15 @@ def run_scenario(scenario: Scenario, device: str, dtype: str, rounds: int, overr
         result["cross_attention_cache_ratio"] = result["fastgen"]["kv_cache_bytes"]["cross_attention"] / base_cross
     result["sample_output"] = {v: outputs[v].sequences[0, -min(n, 12) :].tolist() for v in outputs}
     return result
+
+
+def rows_with_repeated_ngrams(sequences: torch.Tensor, n: int) -> int:
+    """How many rows contain some n-gram twice."""
+    count = 0
+    for row in sequences.tolist():
+        grams = [tuple(row[i : i + n]) for i in range(len(row) - n + 1)]
+        count += len(grams) != len(set(grams))
+    return count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +152,11 @@ def _print(r: dict) -> None:
         f"KV cache {_mib(f['kv_cache_bytes'])}"
     )
     print(f"  speedup {r['speedup']:.2f}x, identical outputs: {r['identical_outputs']}")
+    if "rows_with_repeated_ngrams" in r:
+        rep = r["rows_with_repeated_ngrams"]
+        print(f"  rows repeating an n-gram: upstream {rep['baseline']}, fastgen {rep['fastgen']} (of {s['batch']})")
+    if "outputs_note" in r:
+        print(f"  note: {r['outputs_note']}")
     print(f"  first row, last tokens: upstream {r['sample_output']['baseline']}")
     print(f"                          fastgen  {r['sample_output']['fastgen']}")
 
