@@ -23,8 +23,10 @@ def _row(r: dict, notes: list[str]) -> str | None:
     if r.get("outputs_note") and not r["identical_outputs"]:
         notes.append(f"{r['scenario']} ({_device(r['environment'])}): {r['outputs_note']}")
         identical = f"{identical.lower()}, on purpose ({len(notes)})"
+    features = r.get("features", "all")
+    name = r["scenario"] if features == "all" else f"{r['scenario']} ({', '.join(features)} only)"
     return (
-        f"| {r['scenario']} | {_device(r['environment'])} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
+        f"| {name} | {_device(r['environment'])} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
         f"{s['dtype']} | {b['new_tokens_per_s']:.1f} | {f['new_tokens_per_s']:.1f} | **{r['speedup']:.2f}×** | "
         f"{'—' if cross is None else f'{cross:.3f}'} | {identical} | "
         f"{r['environment'].get('git_commit') or '?'} |"

@@ -27,13 +27,21 @@ RESULTS = Path(__file__).parent / "results"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def run_scenario(scenario: Scenario, device: str, dtype: str, rounds: int, overrides: dict[str, Any]) -> dict:
+def run_scenario(
+    scenario: Scenario,
+    device: str,
+    dtype: str,
+    rounds: int,
+    overrides: dict[str, Any],
+    features: list[str] | None = None,
+) -> dict:
+    """Time one scenario; ``features`` restricts fastgen to those features (None: all of them)."""
     settings = scenario.settings(device) | {k: v for k, v in overrides.items() if v is not None}
     call = scenario.prepare(device, DTYPES[dtype], settings)
     n = settings["new_tokens"]
 
     def generate(variant: str) -> tuple[Any, float, int]:
-        scope = fastgen.unpatched() if variant == "baseline" else fastgen.patched()
+        scope = fastgen.unpatched() if variant == "baseline" else fastgen.patched(features)
         with scope, torch.inference_mode():
             return timed(call, device)
 
@@ -53,6 +61,7 @@ def run_scenario(scenario: Scenario, device: str, dtype: str, rounds: int, overr
     result: dict[str, Any] = {
         "scenario": scenario.name,
         "note": scenario.note,
+        "features": features or "all",
         "settings": settings
         | {
             "dtype": dtype,
@@ -106,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--input-len", type=int)
     parser.add_argument("--new-tokens", type=int)
+    parser.add_argument(
+        "--features",
+        help="comma-separated fastgen features to time (default: all); saved as <scenario>-<device>-<features>.json",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON results")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
@@ -122,13 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         if scenario.gpu_only and device != "cuda":
             print(f"{name}: skipped (GPU-only scenario)")
             continue
-        result = run_scenario(scenario, device, dtype, args.rounds, overrides)
+        features = [f.strip() for f in args.features.split(",") if f.strip()] if args.features else None
+        result = run_scenario(scenario, device, dtype, args.rounds, overrides, features)
         result["command"] = command
         result["environment"] = environment(device)
         _print(result)
         if not args.no_save:
             args.out.mkdir(parents=True, exist_ok=True)
-            path = args.out / f"{name}-{device}.json"
+            suffix = "" if features is None else "-" + "-".join(features)
+            path = args.out / f"{name}-{device}{suffix}.json"
             path.write_text(json.dumps(result, indent=2) + "\n")
             print(f"  wrote {path}")
     return 0
@@ -139,7 +154,7 @@ def _print(r: dict) -> None:
     s = r["settings"]
     print(
         f"{r['scenario']} on {r['environment']['device']} — batch {s['batch']}, input {s['input_len']}, "
-        f"{s['new_tokens']} new tokens, {s['dtype']}, {r['note']}"
+        f"{s['new_tokens']} new tokens, {s['dtype']}, {r['note']}; fastgen features: {r['features']}"
     )
     print(
         f"  upstream : median {b['median_s']:.3f}s  {b['samples_per_s']:.2f} samples/s  "
