@@ -29,7 +29,7 @@ FEATURE = "ngram"
 
 
 def _problem(n: Any, tokens: Any, lprobs: Any, bsz: Any, beam_size: Any, step: Any) -> str | None:
-    """Why the op cannot answer this call as upstream's CUDA path would, or None."""
+    """Why the op cannot answer this call as upstream's CUDA path would, or None (no shapes: warned once each)."""
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         return f"no_repeat_ngram_size {n!r} is not a positive integer"
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (bsz, beam_size, step)):
@@ -37,7 +37,7 @@ def _problem(n: Any, tokens: Any, lprobs: Any, bsz: Any, beam_size: Any, step: A
     if not isinstance(tokens, torch.Tensor) or not isinstance(lprobs, torch.Tensor):
         return "tokens or lprobs is not a tensor"
     if tokens.dim() != 2 or lprobs.dim() != 2 or not lprobs.dtype.is_floating_point:
-        return f"tokens {tuple(tokens.shape)} / lprobs {tuple(lprobs.shape)} {lprobs.dtype}: not N×L and N×V floats"
+        return f"tokens / lprobs are not N×L and N×V floats (lprobs {lprobs.dtype})"
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         return f"tokens dtype {tokens.dtype}"
     if tokens.shape[0] != bsz * beam_size or lprobs.shape[0] != bsz * beam_size:

@@ -51,13 +51,16 @@ def _is_int_tensor(t: Any) -> bool:
 
 
 def _common_problem(n: Any, input_ids: Any, scores: Any) -> str | None:
-    """What both processors need from a call for the op to answer it exactly, or None."""
+    """What both processors need from a call for the op to answer it exactly, or None.
+
+    Reasons name no shapes: :func:`~fastgen.optimizer.registry.fallback` warns once per distinct reason.
+    """
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         return f"ngram_size {n!r} is not a positive integer"
     if not _is_int_tensor(input_ids) or not isinstance(scores, torch.Tensor) or not scores.dtype.is_floating_point:
         return "input_ids is not an integer tensor or scores is not a floating-point tensor"
     if input_ids.dim() != 2 or scores.dim() != 2 or input_ids.shape[0] != scores.shape[0]:
-        return f"input_ids {tuple(input_ids.shape)} and scores {tuple(scores.shape)} are not N×L and N×V"
+        return "input_ids and scores are not N×L and N×V with the same N"
     if input_ids.device != scores.device:
         return f"input_ids on {input_ids.device} but scores on {scores.device}"
     return None
@@ -123,7 +126,7 @@ def _encoder_problem(self: Any, snapshot: _PromptSnapshot | None, input_ids: Any
     if self.ngram_size != snapshot.ngram_size or self.batch_size != snapshot.ids.shape[0]:
         return "ngram_size or batch_size changed after construction"
     if scores.shape[0] % snapshot.ids.shape[0] != 0:
-        return f"{scores.shape[0]} hypotheses are not a multiple of {snapshot.ids.shape[0]} prompts"
+        return "the number of hypotheses is not a multiple of the number of prompts"
     if snapshot.low < 0 or snapshot.high >= scores.shape[1]:
         return f"prompt ids outside [0, {scores.shape[1]}) (upstream raises or wraps them)"
     return None
