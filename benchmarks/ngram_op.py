@@ -167,6 +167,7 @@ def bench_shape(shape: dict, device: torch.device, repeats: int, slow_repeats: i
             buffer[:, : step + 1], work, bsz, beam, step
         )
         repeats_of["fairseq_as_called"] = repeats_of["fairseq_loop_on_valid_tokens"] = slow_repeats
+        repeats_of["fastgen_fairseq_patched"] = repeats
 
     stats = summarise(time_round_robin(fns, device, repeats_of))
     medians = stats["median_ms"]
