@@ -21,8 +21,10 @@ def _row(r: dict, notes: list[str]) -> str | None:
     cross = r.get("cross_attention_cache_ratio")
     identical = "yes" if r["identical_outputs"] else "NO"
     if r.get("outputs_note") and not r["identical_outputs"]:
-        notes.append(f"{r['scenario']} ({_device(r['environment'])}): {r['outputs_note']}")
-        identical = f"{identical.lower()}, on purpose ({len(notes)})"
+        note = f"{r['scenario']} ({_device(r['environment'])}): {r['outputs_note']}"
+        if note not in notes:
+            notes.append(note)
+        identical = f"{identical.lower()}, on purpose ({notes.index(note) + 1})"
     features = r.get("features", "all")
     name = r["scenario"] if features == "all" else f"{r['scenario']} ({', '.join(features)} only)"
     return (

@@ -17,7 +17,7 @@ too. ``_beam_search`` (a fresh ``log_softmax``) and ``_assisted_decoding`` (a vi
 overwritten with the result, raw logits cloned first) would be safe, but telling the callers apart
 needs hooks on the decoding loops and a list of which processors keep what, for little: the copy is
 what remains of the processor's cost at large N (CPU, 1 thread, ``benchmarks/results/ngram_op-cpu.json``:
-N=512, V=50265: op 0.3 ms, patched processor 29 ms, upstream 52 ms), yet in generation the processor is
+N=512, V=50265: op 0.27 ms, patched processor 21 ms, upstream 35 ms), yet in generation the processor is
 a small share of a step (bart-base shape, 16 hypotheses: 0.5% of ``generate`` upstream, 0.3% patched).
 
 Calls the op would not answer exactly as upstream are handed back to upstream (and noted through
