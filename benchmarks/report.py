@@ -13,14 +13,23 @@ RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
-def _row(r: dict) -> str | None:
+def _row(r: dict, notes: list[str]) -> str | None:
+    """One table row; a result whose outputs differ on purpose gets a numbered note in ``notes``."""
     if "baseline" not in r or "speedup" not in r:
         return None  # not a generation result (e.g. an op micro-benchmark)
     s, b, f = r["settings"], r["baseline"], r["fastgen"]
+    identical = "yes" if r["identical_outputs"] else "NO"
+    if r.get("outputs_note") and not r["identical_outputs"]:
+        note = f"{r['scenario']} ({_device(r['environment'])}): {r['outputs_note']}"
+        if note not in notes:
+            notes.append(note)
+        identical = f"{identical.lower()}, on purpose ({notes.index(note) + 1})"
+    features = r.get("features", "all")
+    name = r["scenario"] if features == "all" else f"{r['scenario']} ({', '.join(features)} only)"
     return (
-        f"| {r['scenario']} | {_device(r['environment'])} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
+        f"| {name} | {_device(r['environment'])} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
         f"{s['dtype']} | {b['new_tokens_per_s']:.1f} | {f['new_tokens_per_s']:.1f} | **{r['speedup']:.2f}×** | "
-        f"{_cache_ratio(r)} | {'yes' if r['identical_outputs'] else 'NO'} | "
+        f"{_cache_ratio(r)} | {identical} | "
         f"{r['environment'].get('git_commit') or '?'} |"
     )
 
@@ -40,13 +49,15 @@ def _cache_ratio(r: dict) -> str:
 
 
 def table() -> str:
-    rows = [_row(json.loads(p.read_text())) for p in sorted(RESULTS.glob("*.json"))]
+    notes: list[str] = []
+    rows = [_row(json.loads(p.read_text()), notes) for p in sorted(RESULTS.glob("*.json"))]
     header = (
         "| scenario | device | batch×input→new, dtype | upstream tok/s | fastgen tok/s | speedup "
         "| KV cache (fastgen/upstream) | identical | commit |\n"
         "|---|---|---|---|---|---|---|---|---|"
     )
-    return "\n".join([header, *[r for r in rows if r]])
+    footnotes = ["", *(f"({i}) {note}" for i, note in enumerate(notes, 1))] if notes else []
+    return "\n".join([header, *[r for r in rows if r], *footnotes])
 
 
 def main() -> None:

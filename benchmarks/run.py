@@ -27,13 +27,21 @@ RESULTS = Path(__file__).parent / "results"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def run_scenario(scenario: Scenario, device: str, dtype: str, rounds: int, overrides: dict[str, Any]) -> dict:
+def run_scenario(
+    scenario: Scenario,
+    device: str,
+    dtype: str,
+    rounds: int,
+    overrides: dict[str, Any],
+    features: list[str] | None = None,
+) -> dict:
+    """Time one scenario; ``features`` restricts fastgen to those features (None: all of them)."""
     settings = scenario.settings(device) | {k: v for k, v in overrides.items() if v is not None}
     call = scenario.prepare(device, DTYPES[dtype], settings)
     n = settings["new_tokens"]
 
     def generate(variant: str) -> tuple[Any, float, int]:
-        scope = fastgen.unpatched() if variant == "baseline" else fastgen.patched()
+        scope = fastgen.unpatched() if variant == "baseline" else fastgen.patched(features)
         with scope, torch.inference_mode():
             return timed(call, device)
 
@@ -53,6 +61,7 @@ def run_scenario(scenario: Scenario, device: str, dtype: str, rounds: int, overr
     result: dict[str, Any] = {
         "scenario": scenario.name,
         "note": scenario.note,
+        "features": features or "all",
         "settings": settings
         | {
             "dtype": dtype,
@@ -62,6 +71,14 @@ def run_scenario(scenario: Scenario, device: str, dtype: str, rounds: int, overr
         },
         "identical_outputs": bool(torch.equal(outputs["baseline"].sequences, outputs["fastgen"].sequences)),
     }
+    ngram = scenario.generate.get("no_repeat_ngram_size")
+    if ngram:  # the property n-gram blocking promises, checked on each variant's generated tokens
+        result["rows_with_repeated_ngrams"] = {
+            v: rows_with_repeated_ngrams(outputs[v].sequences[:, -n:], ngram) for v in outputs
+        }
+    difference = scenario.known_output_difference(device)
+    if difference is not None:
+        result["outputs_note"] = difference
     for variant in ("baseline", "fastgen"):
         median = statistics.median(samples[variant])
         result[variant] = {
@@ -81,6 +98,15 @@ def run_scenario(scenario: Scenario, device: str, dtype: str, rounds: int, overr
     return result
 
 
+def rows_with_repeated_ngrams(sequences: torch.Tensor, n: int) -> int:
+    """How many rows contain some n-gram twice."""
+    count = 0
+    for row in sequences.tolist():
+        grams = [tuple(row[i : i + n]) for i in range(len(row) - n + 1)]
+        count += len(grams) != len(set(grams))
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", action="append", choices=[*SCENARIOS, "all"], required=True)
@@ -90,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--input-len", type=int)
     parser.add_argument("--new-tokens", type=int)
+    parser.add_argument(
+        "--features",
+        help="comma-separated fastgen features to time (default: all); saved as <scenario>-<device>-<features>.json",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON results")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
@@ -106,13 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         if scenario.gpu_only and device != "cuda":
             print(f"{name}: skipped (GPU-only scenario)")
             continue
-        result = run_scenario(scenario, device, dtype, args.rounds, overrides)
+        features = [f.strip() for f in args.features.split(",") if f.strip()] if args.features else None
+        result = run_scenario(scenario, device, dtype, args.rounds, overrides, features)
         result["command"] = command
         result["environment"] = environment(device)
         _print(result)
         if not args.no_save:
             args.out.mkdir(parents=True, exist_ok=True)
-            path = args.out / f"{name}-{device}.json"
+            suffix = "" if features is None else "-" + "-".join(features)
+            path = args.out / f"{name}-{device}{suffix}.json"
             path.write_text(json.dumps(result, indent=2) + "\n")
             print(f"  wrote {path}")
     return 0
@@ -123,7 +155,7 @@ def _print(r: dict) -> None:
     s = r["settings"]
     print(
         f"{r['scenario']} on {r['environment']['device']} — batch {s['batch']}, input {s['input_len']}, "
-        f"{s['new_tokens']} new tokens, {s['dtype']}, {r['note']}"
+        f"{s['new_tokens']} new tokens, {s['dtype']}, {r['note']}; fastgen features: {r['features']}"
     )
     print(
         f"  upstream : median {b['median_s']:.3f}s  {b['samples_per_s']:.2f} samples/s  "
@@ -136,6 +168,11 @@ def _print(r: dict) -> None:
         f"KV cache {_mib(f['kv_cache_bytes'])}"
     )
     print(f"  speedup {r['speedup']:.2f}x, identical outputs: {r['identical_outputs']}")
+    if "rows_with_repeated_ngrams" in r:
+        rep = r["rows_with_repeated_ngrams"]
+        print(f"  rows repeating an n-gram: upstream {rep['baseline']}, fastgen {rep['fastgen']} (of {s['batch']})")
+    if "outputs_note" in r:
+        print(f"  note: {r['outputs_note']}")
     print(f"  first row, last tokens: upstream {r['sample_output']['baseline']}")
     print(f"                          fastgen  {r['sample_output']['fastgen']}")
 

@@ -25,6 +25,7 @@ from transformers.generation.logits_process import (
     NoRepeatNGramLogitsProcessor,
 )
 
+import fastgen
 from fastgen.ops import _ext, ngram
 from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
 
@@ -106,7 +107,8 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def hf_ban(tokens: torch.Tensor, scores: torch.Tensor, n: int) -> torch.Tensor:
-    return NoRepeatNGramLogitsProcessor(n)(tokens.long(), scores.clone())
+    with fastgen.unpatched():  # upstream's processor, not fastgen's replacement of it
+        return NoRepeatNGramLogitsProcessor(n)(tokens.long(), scores.clone())
 
 
 def plant(tokens: torch.Tensor, n: int, count: int, gen: torch.Generator) -> None:
@@ -228,7 +230,9 @@ def test_encoder_variant_matches_hf(target):
     @examples(target, 0.6)
     @given(case=encoder_cases())
     def check(case):
-        want = EncoderNoRepeatNGramLogitsProcessor(case.n, case.inputs.long())(case.tokens.long(), case.scores.clone())
+        with fastgen.unpatched():
+            processor = EncoderNoRepeatNGramLogitsProcessor(case.n, case.inputs.long())
+            want = processor(case.tokens.long(), case.scores.clone())
         got = ban(target, case.tokens, case.scores, case.n, input_tokens=case.inputs)
         assert_same(got, want, f"n={case.n} inputs={case.inputs.tolist()} tokens={case.tokens.tolist()}")
 
@@ -328,7 +332,8 @@ def test_fairseq_cpu_fallback_bans_nothing_on_its_padded_buffer():
     buffer = torch.full((1, 10), pad)
     buffer[0, : step + 1] = torch.tensor([2, 7, 8, 9, 7, 8])  # "7 8" repeats: 9 must be banned
     lprobs = torch.zeros(1, 12)
-    upstream = NGramRepeatBlock(n, use_extension=False)(buffer, lprobs.clone(), 1, 1, step)
+    with fastgen.unpatched():  # upstream's forward, not fastgen's fix of it
+        upstream = NGramRepeatBlock(n, use_extension=False)(buffer, lprobs.clone(), 1, 1, step)
     assert not upstream.isinf().any(), "upstream fixed its CPU fallback: revisit the fairseq patch"
     ours = ban_repeated_ngrams(buffer, lprobs.clone(), n, step + 1)
     assert ours.isinf().nonzero().tolist() == [[0, 9]]
@@ -337,7 +342,8 @@ def test_fairseq_cpu_fallback_bans_nothing_on_its_padded_buffer():
 def test_hf_leaves_scores_alone_and_copies():
     """HF returns a new tensor (its input untouched) once cur_len >= n; this op works in place."""
     tokens, scores = torch.tensor([[1, 2, 1, 2]]), torch.zeros(1, 4)
-    out = NoRepeatNGramLogitsProcessor(2)(tokens, scores)
+    with fastgen.unpatched():
+        out = NoRepeatNGramLogitsProcessor(2)(tokens, scores)
     assert out is not scores and not scores.isinf().any() and out.isinf().any()
     assert ban_repeated_ngrams(tokens, scores, 2) is scores and scores.isinf().any()
 

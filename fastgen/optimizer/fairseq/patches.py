@@ -23,3 +23,18 @@ PATCHES: list[Patch] = [
         expects=("self", "encoder_outs", "new_order"),
     ),
 ]
+
+# ---------------------------------------------------------------------------- ngram
+_NGRAM = "fastgen.optimizer.fairseq.ngram"
+
+PATCHES += [
+    # Block n-grams on the valid tokens only (step + 1 of them) on every device: upstream's CPU path bans nothing.
+    Patch(
+        "ngram",
+        "fairseq.ngram_repeat_block:NGramRepeatBlock.forward",
+        f"{_NGRAM}:make_forward",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "tokens", "lprobs", "bsz", "beam_size", "step"),
+    ),
+]

@@ -51,3 +51,39 @@ PATCHES += [
         expects=("attn_implementation", "default"),
     ),
 ]
+
+# ---------------------------------------------------------------------------- ngram
+# n-gram blocking on fastgen's op (fastgen.optimizer.transformers.ngram); a separate block so that
+# other features' declarations above merge cleanly.
+_NGRAM = "fastgen.optimizer.transformers.ngram"
+_PROCESSORS = "transformers.generation.logits_process"
+
+PATCHES += [
+    # Ban only the repeated n-grams' successors (a copy of scores, as upstream) instead of an N×(V+1) mask.
+    Patch(
+        feature="ngram",
+        target=f"{_PROCESSORS}:NoRepeatNGramLogitsProcessor.__call__",
+        factory=f"{_NGRAM}:make_no_repeat_call",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("self", "input_ids", "scores"),
+    ),
+    # Keep a snapshot of the prompt ids: upstream keeps only a dict of its n-grams.
+    Patch(
+        feature="ngram",
+        target=f"{_PROCESSORS}:EncoderNoRepeatNGramLogitsProcessor.__init__",
+        factory=f"{_NGRAM}:make_encoder_init",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("self", "encoder_ngram_size", "encoder_input_ids"),
+    ),
+    # Match all hypotheses against the prompt at once instead of a Python loop with .tolist() per hypothesis.
+    Patch(
+        feature="ngram",
+        target=f"{_PROCESSORS}:EncoderNoRepeatNGramLogitsProcessor.__call__",
+        factory=f"{_NGRAM}:make_encoder_call",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("self", "input_ids", "scores"),
+    ),
+]
