@@ -21,6 +21,11 @@ from fastgen.optimizer.transformers import ngram as hf_ngram
 from tests import harness
 from tests.conftest import HAS_FAIRSEQ
 
+# Tests of the Transformers patches' mechanism skip where they are not declared for the version.
+needs_hf_ngram = pytest.mark.skipif(
+    harness.feature_unavailable("ngram") is not None, reason=str(harness.feature_unavailable("ngram"))
+)
+
 NEW_TOKENS = 12
 
 
@@ -78,6 +83,7 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
+@needs_hf_ngram
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("family", list(harness.HF_FAMILIES))
 def test_no_repeat_ngram_matches_upstream(models: dict[str, Any], spy: Spy, family: str, mode: str) -> None:
@@ -87,6 +93,7 @@ def test_no_repeat_ngram_matches_upstream(models: dict[str, Any], spy: Spy, fami
     assert spy.calls.get("ban_repeated_ngrams", 0) > 0 and not spy.fallbacks, (spy.calls, spy.fallbacks)
 
 
+@needs_hf_ngram
 @pytest.mark.parametrize("family", ["t5", "gpt2", "qwen2"])
 def test_blocking_changes_the_output(models: dict[str, Any], spy: Spy, family: str) -> None:
     """The equality tests above are not vacuous: on these tiny models the blocker changes the output."""
@@ -116,6 +123,7 @@ ENCODER_MODES: dict[str, dict[str, Any]] = {
 }
 
 
+@needs_hf_ngram
 @pytest.mark.parametrize("mode", list(ENCODER_MODES))
 @pytest.mark.parametrize("family", ["bart", "t5"])
 def test_encoder_no_repeat_ngram_matches_upstream(models: dict[str, Any], spy: Spy, family: str, mode: str) -> None:
@@ -128,6 +136,7 @@ def test_encoder_no_repeat_ngram_matches_upstream(models: dict[str, Any], spy: S
     assert spy.banned > 0
 
 
+@needs_hf_ngram
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
 def test_all_features_together(models: dict[str, Any], spy: Spy, family: str) -> None:
     model = models[family]
@@ -153,6 +162,7 @@ def test_all_features_together(models: dict[str, Any], spy: Spy, family: str) ->
     ],
     ids=["sample", "greedy", "beam", "beam_sample"],
 )
+@needs_hf_ngram
 @pytest.mark.parametrize("family", ["bart", "llama"])
 def test_raw_logits_are_not_written_into(models: dict[str, Any], spy: Spy, family: str, mode: dict) -> None:
     """``_sample`` hands the processors the very tensor it stores as ``logits``: bans must not leak there.
@@ -175,6 +185,7 @@ def test_raw_logits_are_not_written_into(models: dict[str, Any], spy: Spy, famil
     assert any(torch.isinf(s).any() for s in candidate.scores)
 
 
+@needs_hf_ngram
 def test_decoder_processor_returns_input_before_n_then_a_new_tensor() -> None:
     processor = NoRepeatNGramLogitsProcessor(3)
     scores = torch.randn(2, 10)
@@ -188,6 +199,7 @@ def test_decoder_processor_returns_input_before_n_then_a_new_tensor() -> None:
     assert torch.equal(out, expected) and torch.isinf(out[0, 9]) and torch.isinf(out[1, 7])
 
 
+@needs_hf_ngram
 def test_encoder_processor_returns_a_new_tensor() -> None:
     with fastgen.patched(["ngram"]):
         processor = EncoderNoRepeatNGramLogitsProcessor(2, torch.tensor([[3, 4, 5, 3, 6]]))
@@ -222,6 +234,7 @@ def _assert_equal_results(upstream: Any, patched: Any) -> None:
         assert upstream == patched
 
 
+@needs_hf_ngram
 def test_decoder_ids_outside_vocab(spy: Spy) -> None:
     """Ids >= V are skipped by upstream and by the op alike (no fallback); negative ids go to upstream."""
     scores = torch.randn(2, 8)
@@ -244,6 +257,7 @@ def test_decoder_ids_outside_vocab(spy: Spy) -> None:
     ],
     ids=["prompt-id-ge-vocab", "negative-prompt-id", "rows-not-a-multiple"],
 )
+@needs_hf_ngram
 def test_encoder_unsupported_calls_go_to_upstream(spy: Spy, prompt: torch.Tensor, hypotheses: torch.Tensor) -> None:
     with fastgen.patched(["ngram"]):
         processor = EncoderNoRepeatNGramLogitsProcessor(2, prompt)
@@ -251,6 +265,7 @@ def test_encoder_unsupported_calls_go_to_upstream(spy: Spy, prompt: torch.Tensor
     assert spy.fallbacks and not spy.calls
 
 
+@needs_hf_ngram
 def test_encoder_processor_built_while_inactive_goes_to_upstream(spy: Spy) -> None:
     with fastgen.unpatched():
         processor = EncoderNoRepeatNGramLogitsProcessor(2, torch.tensor([[3, 4, 5, 3, 6]]))
@@ -258,6 +273,7 @@ def test_encoder_processor_built_while_inactive_goes_to_upstream(spy: Spy) -> No
     assert spy.fallbacks and not spy.calls
 
 
+@needs_hf_ngram
 def test_status_lists_the_ngram_patches() -> None:
     import transformers.generation.logits_process  # noqa: F401  (the patches apply on import)
 

@@ -2,10 +2,11 @@
 
 from fastgen.optimizer.registry import Patch
 
-HF_VERSIONS = ">=5.15,<6"
-#: Before 5.18 ``_expand_inputs_for_generation`` is a staticmethod: the hook cannot see the model
-#: family, so beam dedup needs 5.18+ (CI tests 5.18 and the newest release).
-HF_DEDUP_VERSIONS = ">=5.18,<6"
+#: fastgen imports and leaves upstream intact on transformers >=5.15 (CI tests 5.15.1), but its
+#: patches are declared for 5.18+: before 5.18 ``_expand_inputs_for_generation`` is a staticmethod
+#: (the dedup hook cannot see the model family) and ``NoRepeatNGramLogitsProcessor`` raises on ids
+#: >= vocab instead of skipping them, so the replacements would not match those versions exactly.
+HF_VERSIONS = ">=5.18,<6"
 
 PATCHES: list[Patch] = []
 
@@ -18,7 +19,7 @@ PATCHES += [
         target="transformers.generation.utils:GenerationMixin._expand_inputs_for_generation",
         factory=f"{_DEDUP}:make_expand_inputs",
         package="transformers",
-        versions=HF_DEDUP_VERSIONS,
+        versions=HF_VERSIONS,
         expects=("self", "expand_size", "is_encoder_decoder", "input_ids"),
     ),
     # Confirm (beam-shared cross-attention cache) or undo (upstream expansion) per decoding mode;
@@ -28,7 +29,7 @@ PATCHES += [
         target="transformers.generation.utils:GenerationMixin._prepare_cache_for_generation",
         factory=f"{_DEDUP}:make_prepare_cache",
         package="transformers",
-        versions=HF_DEDUP_VERSIONS,
+        versions=HF_VERSIONS,
         expects=("generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length"),
     ),
     # Decoder-only: prefill the prompt once per input into the shared-prompt cache, repeat the outputs.
@@ -37,7 +38,7 @@ PATCHES += [
         target="transformers.generation.utils:GenerationMixin._prefill",
         factory="fastgen.optimizer.transformers.prompt_dedup:make_prefill",
         package="transformers",
-        versions=HF_DEDUP_VERSIONS,
+        versions=HF_VERSIONS,
         expects=("input_ids", "generation_config", "model_kwargs", "is_first_iteration"),
     ),
     # Run beam queries grouped against the shared cross-attention K/V with the stock sdpa/eager kernels;
@@ -47,7 +48,7 @@ PATCHES += [
         target="transformers.modeling_utils:AttentionInterface.get_interface",
         factory=f"{_DEDUP}:make_get_interface",
         package="transformers",
-        versions=HF_DEDUP_VERSIONS,
+        versions=HF_VERSIONS,
         expects=("attn_implementation", "default"),
     ),
 ]
