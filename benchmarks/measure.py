@@ -134,8 +134,12 @@ def _cpu_name() -> str:
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        # Result files a benchmark run writes itself do not make the measured code dirty.
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results", ":!README.md"],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

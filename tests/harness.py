@@ -107,6 +107,16 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _COMMON_DECODER),
 }
 ENCODER_DECODER = ("bart", "mbart", "marian", "pegasus", "t5")
+#: ``generate`` settings the dedup tests run: the multi-hypothesis modes fastgen changes, and greedy,
+#: which it must leave alone.
+DEDUP_CASES: dict[str, dict[str, Any]] = {
+    "beam": dict(num_beams=4),
+    "beam_no_repeat": dict(num_beams=4, no_repeat_ngram_size=2),
+    "beam_return_2": dict(num_beams=4, num_return_sequences=2),
+    "beam_sample": dict(num_beams=3, do_sample=True, top_k=20),
+    "sample_return_3": dict(do_sample=True, num_return_sequences=3),
+    "greedy": dict(),
+}
 DECODER_ONLY = ("gpt2", "llama", "qwen2")
 
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from fastgen.models._families import is_subclass_of_any
 from fastgen.ops.attention import prefix_shared_attention
 
 #: ``config.model_type`` -> the self-attention class its layers use. Every entry is verified
@@ -64,7 +65,7 @@ _SUPPORTED_CLASSES = frozenset(PROMPT_SHARING_FAMILIES.values())
 @functools.cache
 def is_prefix_sharing_module(cls: type) -> bool:
     """True for the attention classes of :data:`PROMPT_SHARING_FAMILIES` (and their subclasses)."""
-    return any(f"{klass.__module__}.{klass.__qualname__}" in _SUPPORTED_CLASSES for klass in cls.__mro__)
+    return is_subclass_of_any(cls, _SUPPORTED_CLASSES)
 
 
 def shared_prompt_problem(model: Any) -> str | None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
+from fastgen.models._families import is_subclass_of_any
 from fastgen.ops.attention import group_beam_queries, layout_for_groups, ungroup_beam_output, ungroup_beam_rows
 
 log = logging.getLogger("fastgen")
@@ -55,7 +56,7 @@ _SUPPORTED_CLASSES = frozenset(CROSS_ATTENTION_FAMILIES.values())
 @functools.cache
 def is_shared_kv_attention_module(cls: type) -> bool:
     """True for the attention classes of :data:`CROSS_ATTENTION_FAMILIES` (and their subclasses)."""
-    return any(f"{klass.__module__}.{klass.__qualname__}" in _SUPPORTED_CLASSES for klass in cls.__mro__)
+    return is_subclass_of_any(cls, _SUPPORTED_CLASSES)
 
 
 def shared_cross_attention_problem(model: Any) -> str | None:

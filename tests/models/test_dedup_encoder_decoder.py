@@ -31,14 +31,7 @@ pytestmark = pytest.mark.skipif(
 BATCH = 3
 NEW_TOKENS = 10
 
-CASES: dict[str, dict[str, Any]] = {
-    "beam": dict(num_beams=4),
-    "beam_no_repeat": dict(num_beams=4, no_repeat_ngram_size=2),
-    "beam_return_2": dict(num_beams=4, num_return_sequences=2),
-    "beam_sample": dict(num_beams=3, do_sample=True, top_k=20),
-    "sample_return_3": dict(do_sample=True, num_return_sequences=3),
-    "greedy": dict(),
-}
+CASES = harness.DEDUP_CASES
 
 
 @pytest.fixture(scope="module", params=harness.ENCODER_DECODER)
