@@ -10,6 +10,7 @@ identical) is printed and written to ``benchmarks/results/<scenario>-<device>.js
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shlex
 import statistics
@@ -21,7 +22,7 @@ import torch
 
 import fastgen
 from benchmarks.measure import environment, timed
-from benchmarks.scenarios import SCENARIOS, Scenario
+from benchmarks.scenarios import SCENARIOS, FairseqScenario, Scenario
 
 RESULTS = Path(__file__).parent / "results"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -135,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         scenario = SCENARIOS[name]
         if scenario.gpu_only and device != "cuda":
             print(f"{name}: skipped (GPU-only scenario)")
+            continue
+        if isinstance(scenario, FairseqScenario) and importlib.util.find_spec("fairseq") is None:
+            print(f"{name}: skipped (fairseq is not installed)")
             continue
         features = [f.strip() for f in args.features.split(",") if f.strip()] if args.features else None
         result = run_scenario(scenario, device, dtype, args.rounds, overrides, features)
