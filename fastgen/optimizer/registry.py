@@ -82,7 +82,7 @@ class _State:
     """Mutable registry state, guarded by ``_lock``."""
 
     def __init__(self) -> None:
-        self.enabled_features: set[str] | None = None  # None: nothing enabled
+        self.enabled_features: set[str] | None = None  # None: fastgen disabled; else the selected features
         self.applied: dict[Patch, _Applied] = {}
         self.status: dict[Patch, str] = {}
         self.warned: set[tuple[str, str]] = set()
@@ -267,7 +267,7 @@ def _selected(patches: Iterable[Patch]) -> list[Patch]:
     chosen = _state.enabled_features
     if chosen is None:
         return []
-    return [p for p in patches if not chosen or p.feature in chosen]
+    return [p for p in patches if p.feature in chosen]
 
 
 def _pending() -> list[Patch]:
@@ -286,8 +286,9 @@ def _features_from_env() -> list[str] | None:
 def enable(features: Iterable[str] | None = None) -> None:
     """Apply the declared patches (all, or only the named features).
 
-    ``features=None`` honours ``FASTGEN_FEATURES=a,b``, else enables everything. Patches of a
-    module not imported yet are applied when it is imported. Calling again re-selects.
+    ``features=None`` honours ``FASTGEN_FEATURES=a,b``, else enables everything; ``features=[]``
+    enables none (fastgen stays importable and ``status()`` lists every patch as not selected).
+    Patches of a module not imported yet are applied when it is imported. Calling again re-selects.
     """
     wanted = list(features) if features is not None else _features_from_env()
     known = known_features()
@@ -296,7 +297,7 @@ def enable(features: Iterable[str] | None = None) -> None:
         raise ValueError(f"unknown fastgen feature(s) {sorted(unknown)}; known: {known}")
     with _lock:
         disable()
-        _state.enabled_features = set(wanted) if wanted else set()
+        _state.enabled_features = set(known if wanted is None else wanted)
         for patch in _selected(declared_patches()):
             problem = version_problem(patch)
             if problem:
@@ -329,7 +330,7 @@ def is_enabled() -> bool:
 def feature_enabled(feature: str) -> bool:
     """True while ``feature`` is selected by :func:`enable` (cheap enough to ask per call)."""
     chosen = _state.enabled_features
-    return chosen is not None and (not chosen or feature in chosen)
+    return chosen is not None and feature in chosen
 
 
 def active() -> bool:
@@ -360,7 +361,7 @@ def patched(features: Iterable[str] | None = None) -> Iterator[None]:
         if previous is None:
             disable()
         else:
-            enable(previous or None)
+            enable(previous)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,6 +90,15 @@ def test_features_select_and_unknown_feature_is_an_error(fake_registry):
         fastgen.enable(["nope"])
 
 
+def test_enable_with_no_features_enables_none(fake_registry):
+    fastgen.enable([])
+    assert fastgen.is_enabled() and ft.greet("a") == "hello a"
+    assert all(row.state.startswith("disabled: feature not selected") for row in fastgen.status())
+    with fastgen.patched(["fake"]):
+        assert ft.greet("a") == "HELLO A"
+    assert ft.greet("a") == "hello a"  # back to the empty selection, not to "everything"
+
+
 def test_enable_twice_is_idempotent(fake_registry):
     fastgen.enable()
     fastgen.enable()
@@ -171,4 +180,5 @@ def test_import_is_lazy_and_env_switches_work():
     assert out == "True False False"
     assert _python("import fastgen; print(fastgen.is_enabled())", FASTGEN_DISABLE="1") == "False"
     code = "import fastgen; from fastgen.optimizer import registry; print(sorted(registry._state.enabled_features))"
-    assert _python(code, FASTGEN_FEATURES="") == "[]"  # empty selection: every feature
+    assert _python(code, FASTGEN_FEATURES="") == str(sorted(fastgen.known_features()))  # unset/empty: all
+    assert _python(code, FASTGEN_FEATURES="ngram") == "['ngram']"
