@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import transformers
 
@@ -168,6 +169,12 @@ def feature_unavailable(feature: str, package: str = "transformers") -> str | No
         if p.feature == feature and p.package == package
     ]
     return next((p for p in problems if p), None)
+
+
+def requires_feature(feature: str, package: str = "transformers") -> pytest.MarkDecorator:
+    """Skip mark for tests of a feature's mechanism where its patches are not declared for this version."""
+    reason = feature_unavailable(feature, package)
+    return pytest.mark.skipif(reason is not None, reason=str(reason))
 
 
 # ------------------------------------------------------------------------------ equivalence

@@ -28,9 +28,7 @@ from fastgen.models.decoder_only import (
 )
 from tests import harness
 
-pytestmark = pytest.mark.skipif(
-    harness.feature_unavailable("dedup") is not None, reason=str(harness.feature_unavailable("dedup"))
-)
+pytestmark = harness.requires_feature("dedup")
 
 BATCH = 3
 NEW_TOKENS = 8

@@ -24,9 +24,7 @@ from fastgen.models import encoder_decoder
 from fastgen.models.encoder_decoder import CROSS_ATTENTION_FAMILIES, BeamSharedCrossAttentionCache, cache_nbytes
 from tests import harness
 
-pytestmark = pytest.mark.skipif(
-    harness.feature_unavailable("dedup") is not None, reason=str(harness.feature_unavailable("dedup"))
-)
+pytestmark = harness.requires_feature("dedup")
 
 BATCH = 3
 NEW_TOKENS = 10

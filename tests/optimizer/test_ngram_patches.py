@@ -22,9 +22,7 @@ from tests import harness
 from tests.conftest import HAS_FAIRSEQ
 
 # Tests of the Transformers patches' mechanism skip where they are not declared for the version.
-needs_hf_ngram = pytest.mark.skipif(
-    harness.feature_unavailable("ngram") is not None, reason=str(harness.feature_unavailable("ngram"))
-)
+needs_hf_ngram = harness.requires_feature("ngram")
 
 NEW_TOKENS = 12
 
