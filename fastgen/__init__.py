@@ -2,6 +2,7 @@
 
 ``import fastgen`` patches the installed frameworks (see :func:`status`); set
 ``FASTGEN_DISABLE=1`` to import without patching, ``FASTGEN_FEATURES=a,b`` to pick features.
+``with fastgen.report() as r: ...`` says what ran, what fell back and why, and the cache saved.
 """
 
 import os
@@ -16,9 +17,21 @@ from fastgen.optimizer.registry import (
     status,
     unpatched,
 )
+from fastgen.optimizer.report import Report, report
 
 __version__ = "0.1.0"
-__all__ = ["active", "disable", "enable", "is_enabled", "known_features", "patched", "status", "unpatched"]
+__all__ = [
+    "Report",
+    "active",
+    "disable",
+    "enable",
+    "is_enabled",
+    "known_features",
+    "patched",
+    "report",
+    "status",
+    "unpatched",
+]
 
 if os.environ.get("FASTGEN_DISABLE", "").strip().lower() not in {"1", "true", "yes"}:
     enable()

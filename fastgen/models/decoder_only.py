@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from fastgen.models._families import is_subclass_of_any
+from fastgen.models._families import is_subclass_of_any, unsupported_attention, unsupported_family
 from fastgen.ops.attention import prefix_shared_attention
 
 #: ``config.model_type`` -> the self-attention class its layers use. Every entry is verified
@@ -74,12 +74,12 @@ def shared_prompt_problem(model: Any) -> str | None:
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model (its decoder prompt is not deduplicated)"
     if config.model_type not in PROMPT_SHARING_FAMILIES:
-        return f"model type {config.model_type!r} has no shared-prompt support yet"
+        return unsupported_family(config.model_type, PROMPT_SHARING_FAMILIES)
     if hasattr(model, "_reorder_cache"):
         return "the model reorders its cache itself (_reorder_cache)"
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in PREFIX_IMPLEMENTATIONS:
-        return f"attention implementation {implementation!r} (supported: sdpa, eager)"
+        return unsupported_attention(implementation, PREFIX_IMPLEMENTATIONS)
     if not getattr(config, "is_causal", True):
         return "bidirectional attention (config.is_causal=False)"
     if getattr(config, "reorder_and_upcast_attn", False):
@@ -147,7 +147,8 @@ class SharedPrefixLayer(DynamicLayer):
             self.prefix_keys = key_states.clone(memory_format=torch.contiguous_format)
             self.prefix_values = value_states.clone(memory_format=torch.contiguous_format)
             return self.prefix_keys, self.prefix_values  # the prompt attends to itself: an ordinary call
-        if self.prefix_keys is not None and not self._attention_ready():
+        # Compiled code never gets the attention wrapper (and cannot read its ContextVar): upstream's K/V.
+        if self.prefix_keys is not None and (torch.compiler.is_compiling() or not self._attention_ready()):
             self.materialize()
         if self.prefix_keys is None:
             return super().update(key_states, value_states, *args, **kwargs)
@@ -216,6 +217,8 @@ class SharedPrefixCache(DynamicCache):
         Cache.__init__(self, layers=[SharedPrefixLayer(hypotheses, attention_ready) for _ in range(num_layers)])
         #: Hypotheses per input that ``generate`` planned (``max(num_beams, num_return_sequences)``).
         self.hypotheses_per_input = group_size
+        #: The cache ``generate`` built, kept so a call that cannot share its prompt can run on it.
+        self.upstream_cache: Cache | None = None
 
     @classmethod
     def from_cache(
@@ -230,6 +233,31 @@ class SharedPrefixCache(DynamicCache):
         ):
             return None
         return cls(len(cache.layers), hypotheses, group_size, attention_ready)
+
+    def bytes_saved(self) -> int:
+        """Prompt K/V bytes upstream would hold in addition (``G - 1`` more copies per input)."""
+        total = 0
+        for layer in self.layers:
+            if layer.prefix_keys is not None and layer.prefix_values is not None:
+                size = layer.prefix_keys.numel() * layer.prefix_keys.element_size()
+                size += layer.prefix_values.numel() * layer.prefix_values.element_size()
+                total += size * (layer.group_size() - 1)
+        return total
+
+    def to_upstream(self) -> DynamicCache:
+        """Upstream's layout (the prompt repeated per hypothesis) as a plain ``DynamicCache``.
+
+        For a cache handed back to the caller, which upstream code must be able to continue from.
+        """
+        cache = DynamicCache()
+        for layer in self.layers:
+            keys, values = layer.per_hypothesis()
+            plain = DynamicLayer()
+            if layer.is_initialized:
+                plain.lazy_initialization(keys, values)
+                plain.keys, plain.values = keys, values
+            cache.layers.append(plain)
+        return cache
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None, None]]:
         """Per-hypothesis K/V as ``DynamicCache`` yields them (the prefix repeated, not stored)."""
@@ -251,7 +279,7 @@ def _fast_path_problem(
 ) -> str | None:
     if not is_prefix_sharing_module(type(module)):
         return f"attention module {type(module).__name__} is not in the shared-prompt family table"
-    if module.training or kwargs.get("dropout", 0.0):
+    if kwargs.get("dropout", 0.0):
         return "attention dropout (training mode)"
     for name in ("softcap", "position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:

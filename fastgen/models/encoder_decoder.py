@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-from fastgen.models._families import is_subclass_of_any
+from fastgen.models._families import is_subclass_of_any, unsupported_attention, unsupported_family
 from fastgen.ops.attention import group_beam_queries, layout_for_groups, ungroup_beam_output, ungroup_beam_rows
 
 log = logging.getLogger("fastgen")
@@ -65,7 +65,7 @@ def shared_cross_attention_problem(model: Any) -> str | None:
     if not getattr(config, "is_encoder_decoder", False):
         return "not an encoder-decoder model"
     if config.model_type not in CROSS_ATTENTION_FAMILIES:
-        return f"model type {config.model_type!r} has no beam-shared cross-attention support yet"
+        return unsupported_family(config.model_type, CROSS_ATTENTION_FAMILIES)
     if hasattr(model, "_reorder_cache"):
         return "the model reorders its cache itself (_reorder_cache)"
     configs = [config]
@@ -75,7 +75,7 @@ def shared_cross_attention_problem(model: Any) -> str | None:
     for cfg in configs:
         implementation = getattr(cfg, "_attn_implementation", None)
         if implementation not in GROUPABLE_IMPLEMENTATIONS:
-            return f"attention implementation {implementation!r} (supported: sdpa, eager)"
+            return unsupported_attention(implementation, GROUPABLE_IMPLEMENTATIONS)
     return None
 
 
@@ -103,6 +103,21 @@ class BeamSharedCrossAttentionCache(EncoderDecoderCache):
                 return 1
             rows.append(keys.shape[0])
         return rows[0] // rows[1]
+
+    def bytes_saved(self) -> int:
+        """Cross-attention K/V bytes upstream would hold in addition (``G - 1`` more copies per input)."""
+        return cache_nbytes(self)[1] * (self.group_size() - 1)
+
+    def to_upstream(self) -> EncoderDecoderCache:
+        """Upstream's layout (cross K/V repeated per hypothesis) as a plain ``EncoderDecoderCache``.
+
+        For a cache handed back to the caller: it must work in upstream code, where nothing knows
+        that the cross rows are shared. Moves this cache's tensors; do not use it afterwards.
+        """
+        group = self.group_size()
+        if group > 1:
+            self.cross_attention_cache.batch_repeat_interleave(group)
+        return EncoderDecoderCache(self.self_attention_cache, self.cross_attention_cache)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the self-attention cache only: beams of one input share their cross K/V."""
@@ -171,7 +186,8 @@ def _run_grouped(
     q_len = query.shape[2]
     mask = attention_mask
     bias = kwargs.get("position_bias")
-    groupable = not module.training and not getattr(module, "is_causal", False) and not kwargs.get("is_causal")
+    # Dropout (training) draws one mask per attention-weight element: grouping would change the stream.
+    groupable = not kwargs.get("dropout") and not getattr(module, "is_causal", False) and not kwargs.get("is_causal")
     if groupable and isinstance(mask, torch.Tensor):
         mask = layout_for_groups(mask, batch, group, q_len)
         groupable = mask is not None

@@ -25,6 +25,7 @@ import inspect
 import logging
 import os
 import sys
+import textwrap
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +33,8 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from fastgen.optimizer import report
 
 log = logging.getLogger("fastgen")
 
@@ -49,6 +52,11 @@ class Patch:
     package and ``versions`` the PEP 440 range it was tested against. ``expects`` lists
     parameter names the target must have: a moved or changed signature is refused at patch
     time rather than failing mid-generation.
+
+    ``traced`` marks a target that runs inside a model's forward, possibly under
+    ``torch.compile``: its replacement is installed as is, without the dispatcher, because Dynamo
+    cannot trace the dispatcher's ``ContextVar`` read (one graph break per call). Such a
+    replacement must be traceable and honour :func:`unpatched` itself, outside traces.
     """
 
     feature: str
@@ -57,6 +65,7 @@ class Patch:
     package: str
     versions: str
     expects: tuple[str, ...] | None = None
+    traced: bool = False
 
     @property
     def module(self) -> str:
@@ -166,15 +175,21 @@ def _signature_problem(func: Callable[..., Any], expects: tuple[str, ...] | None
     return None
 
 
-def _make_dispatcher(original: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def dispatcher(*args: Any, **kwargs: Any) -> Any:
-        if _active.get():
-            return replacement(*args, **kwargs)
-        return original(*args, **kwargs)
+def _make_dispatcher(
+    original: Callable[..., Any], replacement: Callable[..., Any], traced: bool = False
+) -> Callable[..., Any]:
+    if traced:
+        installed = functools.wraps(original)(replacement)
+    else:
 
-    dispatcher.__fastgen_patched__ = True  # type: ignore[attr-defined]
-    return dispatcher
+        @functools.wraps(original)
+        def installed(*args: Any, **kwargs: Any) -> Any:
+            if _active.get():
+                return replacement(*args, **kwargs)
+            return original(*args, **kwargs)
+
+    installed.__fastgen_patched__ = True  # type: ignore[attr-defined]
+    return installed
 
 
 def _load_factory(path: str) -> Callable[..., Any]:
@@ -214,7 +229,7 @@ def _apply(patch: Patch) -> None:
         _state.status[patch] = f"skipped: factory failed ({type(exc).__name__}: {exc})"
         _warn_once(patch.feature, _state.status[patch])
         return
-    installed: Any = _make_dispatcher(func, replacement)
+    installed: Any = _make_dispatcher(func, replacement, patch.traced)
     if descriptor:
         installed = descriptor(installed)
     setattr(owner, name, installed)
@@ -278,23 +293,44 @@ def _pending() -> list[Patch]:
 # ---------------------------------------------------------------------------- public API
 
 
-def _features_from_env() -> list[str] | None:
-    raw = os.environ.get("FASTGEN_FEATURES", "").strip()
-    return [f.strip() for f in raw.split(",") if f.strip()] or None
+def _feature_names(features: str | Iterable[str]) -> list[str]:
+    """``"ngram"``, ``"NGram, dedup"`` or ``["ngram", " Dedup "]`` -> ``["ngram", "dedup"]``."""
+    items = features.split(",") if isinstance(features, str) else list(features)
+    if not all(isinstance(item, str) for item in items):
+        raise TypeError(f"fastgen features are names (str), got {items!r}")
+    return [name for item in items if (name := item.strip().lower())]
 
 
-def enable(features: Iterable[str] | None = None) -> None:
+def _features_from_env(known: list[str]) -> list[str] | None:
+    """``FASTGEN_FEATURES`` as a selection (None: unset or empty). A typo warns, never raises."""
+    names = _feature_names(os.environ.get("FASTGEN_FEATURES", ""))
+    if not names:
+        return None
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        log.warning(
+            "%sFASTGEN_FEATURES: ignoring unknown feature(s) %s; known features: %s",
+            _prefix(),
+            ", ".join(unknown),
+            ", ".join(known),
+        )
+    return [name for name in names if name in known]
+
+
+def enable(features: str | Iterable[str] | None = None) -> None:
     """Apply the declared patches (all, or only the named features).
 
-    ``features=None`` honours ``FASTGEN_FEATURES=a,b``, else enables everything; ``features=[]``
-    enables none (fastgen stays importable and ``status()`` lists every patch as not selected).
+    ``features`` is a name, a comma-separated string or a list of names (case and spaces ignored);
+    ``None`` honours ``FASTGEN_FEATURES=a,b``, else enables everything; ``[]`` enables none
+    (fastgen stays importable and ``status()`` lists every patch as not selected). An unknown name
+    raises ``ValueError`` (in ``FASTGEN_FEATURES`` it only warns, so a typo never breaks an import).
     Patches of a module not imported yet are applied when it is imported. Calling again re-selects.
     """
-    wanted = list(features) if features is not None else _features_from_env()
     known = known_features()
-    unknown = set(wanted or []) - set(known)
+    wanted = _feature_names(features) if features is not None else _features_from_env(known)
+    unknown = [name for name in wanted or [] if name not in known]
     if unknown:
-        raise ValueError(f"unknown fastgen feature(s) {sorted(unknown)}; known: {known}")
+        raise ValueError(f"unknown fastgen feature(s): {', '.join(unknown)}; known features: {', '.join(known)}")
     with _lock:
         disable()
         _state.enabled_features = set(known if wanted is None else wanted)
@@ -349,7 +385,7 @@ def unpatched() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def patched(features: Iterable[str] | None = None) -> Iterator[None]:
+def patched(features: str | Iterable[str] | None = None) -> Iterator[None]:
     """Enable fastgen (optionally only ``features``) inside the block, then restore the previous state."""
     previous = None if _state.enabled_features is None else set(_state.enabled_features)
     enable(features)
@@ -371,15 +407,31 @@ class PatchStatus:
     state: str
 
     def __str__(self) -> str:
-        return f"{self.feature:<10} {self.target:<95} {self.state}"
+        return f"{self.feature} {self.target} {self.state}"
 
 
 class StatusTable(list[PatchStatus]):
-    """A list of :class:`PatchStatus` that prints as a table."""
+    """A list of :class:`PatchStatus` that prints as a table 80 columns wide, grouped by module."""
+
+    WIDTH = 80
 
     def __str__(self) -> str:
-        header = f"{'feature':<10} {'target':<95} state"
-        return "\n".join([header, "-" * len(header), *map(str, self)])
+        lines = [
+            "fastgen patches ('pending': applied when its module is imported)",
+            f"  {'feature':<12} {'state':<9} target",
+        ]
+        module = None
+        for row in self:
+            row_module, _, attr = row.target.partition(":")
+            if row_module != module:
+                module = row_module
+                lines.append(module)
+            word, _, why = row.state.partition(": ")
+            why = "" if word == "pending" else why  # the header says when pending patches apply
+            lines.append(f"  {row.feature:<12} {word:<9} {attr}")
+            if why:
+                lines += textwrap.wrap(why, self.WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        return "\n".join(lines)
 
 
 def status() -> StatusTable:
@@ -400,13 +452,31 @@ def status() -> StatusTable:
         return rows
 
 
-def _warn_once(feature: str, reason: str) -> None:
-    key = (feature, reason)
+def _prefix() -> str:
+    """ "fastgen " where no handler would print the logger's name (Python's last-resort handler
+    prints the message alone); empty under a logging set-up, which names the logger (fairseq's
+    ``%(name)s | %(message)s``), so "fastgen" appears exactly once either way."""
+    return "" if log.hasHandlers() else "fastgen "
+
+
+def _warn_once(feature: str, message: str) -> None:
+    key = (feature, message)
     if key not in _state.warned:
         _state.warned.add(key)
-        log.warning("fastgen[%s]: %s", feature, reason)
+        log.warning("%s[%s] %s", _prefix(), feature, message)
 
 
 def fallback(feature: str, reason: str) -> None:
-    """Note that a replacement handed a call back to upstream; warns once per distinct reason."""
+    """A replacement handed this whole call to upstream's code; warns once per distinct reason.
+
+    Use it only when every hook of ``feature`` steps aside for the call (so the result is
+    upstream's bit for bit); a partial step-aside is :func:`degraded`.
+    """
+    report.note_fallback(feature, reason)
     _warn_once(feature, f"falling back to upstream: {reason}")
+
+
+def degraded(feature: str, reason: str) -> None:
+    """``feature`` ran, but part of the call took a slower path that gives the same result."""
+    report.note_degraded(feature, reason)
+    _warn_once(feature, f"slower path (same result): {reason}")

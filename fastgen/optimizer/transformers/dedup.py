@@ -48,9 +48,10 @@ from fastgen.models.encoder_decoder import (
     is_plain_dynamic_encoder_decoder_cache,
     shared_cross_attention_problem,
 )
+from fastgen.optimizer import registry, report
 from fastgen.optimizer.registry import fallback
 from fastgen.optimizer.transformers.prompt_dedup import note_attention_fallback, prepare_decoder_only_cache
-from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem
+from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem, model_problem
 
 #: The encoder-side entries of ``model_kwargs`` that stay at one row per input.
 SHARED_KWARGS = ("encoder_outputs", "attention_mask")
@@ -58,7 +59,7 @@ SHARED_KWARGS = ("encoder_outputs", "attention_mask")
 
 def _shared_inputs_problem(model: Any, model_kwargs: dict[str, Any]) -> str | None:
     """Why the encoder-side inputs of this call cannot stay at batch B, or None."""
-    problem = shared_cross_attention_problem(model)
+    problem = shared_cross_attention_problem(model) or model_problem(model)
     if problem is not None:
         return problem
     if model_kwargs.get("mm_encoder_outputs") is not None:
@@ -156,7 +157,10 @@ def make_prepare_cache(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         cache = model_kwargs.get("past_key_values")
         if is_plain_dynamic_encoder_decoder_cache(cache):
-            model_kwargs["past_key_values"] = BeamSharedCrossAttentionCache.from_cache(cache)
+            shared = BeamSharedCrossAttentionCache.from_cache(cache)
+            model_kwargs["past_key_values"] = shared
+            report.note_ran(FEATURE, f"cross-attention K/V shared by {group} hypotheses per input")
+            report.note_cache(shared.bytes_saved)
         else:
             # Not a cache we know how to wrap; it is still empty, so upstream shapes are safe.
             fallback(FEATURE, f"cache type {type(cache).__name__}")
@@ -167,10 +171,19 @@ def make_prepare_cache(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def make_get_interface(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Replacement for ``AttentionInterface.get_interface`` (see module docstring, 3)."""
+    """Replacement for ``AttentionInterface.get_interface`` (see module docstring, 3).
+
+    It runs inside every attention layer's forward, so it is installed without the registry's
+    dispatcher (``traced=True``) and must not break a ``torch.compile`` graph: under compilation it
+    returns upstream's function untouched (the per-call checks in ``shared_modes.model_problem``
+    keep the deduplicated layout out of compiled forwards), and only in eager mode does it read
+    whether fastgen is active and hand out the wrapped function.
+    """
 
     def get_interface(self: Any, attn_implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
         attention = original(self, attn_implementation, default)
+        if torch.compiler.is_compiling() or not registry.active():
+            return attention
         if attn_implementation in GROUPABLE_IMPLEMENTATIONS:
             attention = grouped_attention(attention)
         # Every implementation gets the prefix check: a shared-prompt key must never reach one unexpanded.

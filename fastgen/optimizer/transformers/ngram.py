@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
+from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback
 
 FEATURE = "ngram"
@@ -80,6 +81,7 @@ def make_no_repeat_call(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, input_ids, scores)
         if input_ids.shape[-1] < n:
             return scores  # upstream: no complete n-gram yet, the input itself
+        report.note_ran(FEATURE, "no_repeat_ngram_size on fastgen's n-gram op")
         return ban_repeated_ngrams(input_ids, scores.clone(), n)
 
     return __call__
@@ -144,6 +146,7 @@ def make_encoder_call(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, input_ids, scores)
         assert snapshot is not None  # _encoder_problem checked it
         prompt = snapshot.ids.to(scores.device)
+        report.note_ran(FEATURE, "encoder_no_repeat_ngram_size on fastgen's n-gram op")
         return ban_encoder_ngrams(prompt, input_ids, scores.clone(), snapshot.ngram_size)
 
     return __call__

@@ -42,7 +42,8 @@ PATCHES += [
         expects=("input_ids", "generation_config", "model_kwargs", "is_first_iteration"),
     ),
     # Run beam queries grouped against the shared cross-attention K/V with the stock sdpa/eager kernels;
-    # attend decoder-only suffix keys over their shared prompt prefix.
+    # attend decoder-only suffix keys over their shared prompt prefix. Runs inside every attention
+    # layer's forward: installed without the dispatcher so torch.compile can trace it (traced=True).
     Patch(
         feature="dedup",
         target="transformers.modeling_utils:AttentionInterface.get_interface",
@@ -50,6 +51,16 @@ PATCHES += [
         package="transformers",
         versions=HF_VERSIONS,
         expects=("attn_implementation", "default"),
+        traced=True,
+    ),
+    # A cache returned to the caller leaves in upstream's classes and layout.
+    Patch(
+        feature="dedup",
+        target="transformers.generation.utils:GenerationMixin.generate",
+        factory="fastgen.optimizer.transformers.returned_cache:make_generate",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("self", "inputs", "generation_config"),
     ),
 ]
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from fastgen.models.decoder_only import SharedPrefixCache, shared_prompt_problem
-from fastgen.optimizer import registry
-from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem
+from fastgen.optimizer import registry, report
+from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem, model_problem
 
 #: Inputs that ``_expand_inputs_for_generation`` repeats per hypothesis and the prefill slices back.
 PER_ROW_INPUTS = ("attention_mask", "position_ids", "token_type_ids")
@@ -47,7 +47,7 @@ def attention_ready() -> bool:
 
 
 def note_attention_fallback(reason: str) -> None:
-    registry.fallback(FEATURE, f"shared-prompt attention expanded per hypothesis: {reason}")
+    registry.degraded(FEATURE, f"shared-prompt attention over per-hypothesis K/V: {reason}")
 
 
 def _attention_hook_installed() -> bool:
@@ -60,7 +60,11 @@ def _shared_prompt_call_problem(
     model: Any, generation_config: Any, model_kwargs: dict[str, Any], generation_mode: Any
 ) -> str | None:
     """Why this call keeps upstream's per-hypothesis prompt cache, or None. Asked before the cache exists."""
-    problem = shared_prompt_problem(model) or cache_problem(generation_config, model_kwargs, generation_mode)
+    problem = (
+        shared_prompt_problem(model)
+        or model_problem(model)
+        or cache_problem(generation_config, model_kwargs, generation_mode)
+    )
     if problem is not None:
         return problem
     if generation_config.prefill_chunk_size is not None:
@@ -91,11 +95,12 @@ def prepare_decoder_only_cache(
         upstream_cache = model_kwargs.get("past_key_values")
         cache = SharedPrefixCache.from_cache(upstream_cache, batch_size * group, group, attention_ready)
         if cache is None:
-            problem = f"cache {upstream_cache!r} is not a plain empty DynamicCache"
+            problem = f"the cache ({type(upstream_cache).__name__}) is not a plain empty DynamicCache"
         else:
+            cache.upstream_cache = upstream_cache  # put back if the prefill cannot share the prompt
             model_kwargs["past_key_values"] = cache
     if problem is not None:
-        registry.fallback(FEATURE, f"prompt kept per hypothesis: {problem}")
+        registry.fallback(FEATURE, problem)
     return result
 
 
@@ -156,9 +161,12 @@ def make_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, input_ids, generation_config, model_kwargs, is_first_iteration)
         problem = _prefill_problem(cache, input_ids, generation_config, model_kwargs, is_first_iteration)
         if problem is not None:
-            # Still correct: the cache then holds the prompt per hypothesis (no saving, no harm).
-            registry.fallback(FEATURE, f"prompt prefilled per hypothesis: {problem}")
+            # A fallback is whole: upstream's own (still empty) cache, upstream's prefill.
+            model_kwargs["past_key_values"] = cache.upstream_cache
+            registry.fallback(FEATURE, problem)
             return original(self, input_ids, generation_config, model_kwargs, is_first_iteration)
+        report.note_ran(FEATURE, f"prompt K/V shared by {cache.hypotheses_per_input} hypotheses per input")
+        report.note_cache(cache.bytes_saved)
         group = cache.hypotheses_per_input
         shared_kwargs = {
             key: value[::group] if key in PER_ROW_INPUTS and isinstance(value, torch.Tensor) else value
