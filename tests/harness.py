@@ -213,19 +213,21 @@ def assert_same_generation(
     seed: int = 0,
     atol: float = 1e-5,
     rtol: float = 1e-5,
+    with_report: bool = False,
     **generate_kwargs: Any,
-) -> tuple[Any, Any]:
+) -> tuple[Any, ...]:
     """Run ``generate`` upstream (``fastgen.unpatched()``) and patched on the same inputs.
 
     Sequences must be identical; ``sequences_scores`` and the per-step processed scores
     must match within ``atol``/``rtol`` (fp32). Sampling is reseeded identically for both.
-    Returns both outputs so tests can assert more.
+    Returns both outputs so tests can assert more, and with ``with_report`` the patched call's
+    :class:`fastgen.Report` (which features ran, which fell back).
     """
     kwargs = {"return_dict_in_generate": True, "output_scores": True, **generate_kwargs}
     with fastgen.unpatched():
         torch.manual_seed(seed)
         reference = model.generate(**inputs, **kwargs)
-    with fastgen.patched(features):
+    with fastgen.patched(features), fastgen.report() as report:
         torch.manual_seed(seed)
         candidate = model.generate(**inputs, **kwargs)
     ref_seq = reference.sequences if kwargs["return_dict_in_generate"] else reference
@@ -238,7 +240,41 @@ def assert_same_generation(
             assert len(reference.scores) == len(candidate.scores)
             for step, (ref, cand) in enumerate(zip(reference.scores, candidate.scores, strict=True)):
                 assert_close_scores(ref, cand, f"scores at step {step}", atol, rtol)
-    return reference, candidate
+    return (reference, candidate, report) if with_report else (reference, candidate)
+
+
+@contextlib.contextmanager
+def fastgen_disabled() -> Iterator[None]:
+    """``fastgen.disable()`` inside the block; the previous selection of features afterwards."""
+    from fastgen.optimizer import registry
+
+    previous = registry._state.enabled_features
+    fastgen.disable()
+    try:
+        yield
+    finally:
+        if previous is not None:
+            fastgen.enable(sorted(previous))
+
+
+@contextlib.contextmanager
+def recorded_caches(model: torch.nn.Module) -> Iterator[list[Any]]:
+    """The distinct ``past_key_values`` objects ``model``'s forward received inside the block.
+
+    ``generate`` returns caches in upstream's layout; this shows the cache a call really decoded with.
+    """
+    seen: list[Any] = []
+
+    def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get("past_key_values")
+        if cache is not None and all(cache is not other for other in seen):
+            seen.append(cache)
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 # ------------------------------------------------------------------------------ fairseq

@@ -11,5 +11,10 @@ def test_info_reports_every_section():
     assert f"torch {torch.__version__}" in out
     assert "compiled extension:" in out and "ngram: " in out and "torch: ok" in out
     # Transformers' targets are imported first, so their patches are resolved, not pending.
-    hf_rows = [line for line in out.splitlines() if line.split()[1:2] and line.split()[1].startswith("transformers.")]
-    assert hf_rows and all(not line.split(maxsplit=2)[2].startswith("pending") for line in hf_rows)
+    lines = out.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("transformers.")]
+    hf_rows = [row for i in starts for row in lines[i + 1 :] if row.startswith("  ")][: len(starts)]
+    assert starts and hf_rows and all(row.split()[1] in {"applied", "skipped"} for row in hf_rows)
+    assert (
+        max(len(line) for line in lines[lines.index(next(x for x in lines if x.startswith("fastgen patches"))) :]) <= 80
+    )

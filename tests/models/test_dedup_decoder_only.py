@@ -48,14 +48,16 @@ def _group(case: dict[str, Any]) -> int:
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_generation(model: transformers.PreTrainedModel, case: str) -> None:
     inputs = harness.tiny_inputs(model, batch=BATCH)  # left padding: rows shorter by 0, 2, 4 tokens
-    _, patched = harness.assert_same_generation(
-        model, inputs, features=["dedup"], max_new_tokens=NEW_TOKENS, **CASES[case]
-    )
-    cache = patched.past_key_values
+    with harness.recorded_caches(model) as caches:
+        _, patched, report = harness.assert_same_generation(
+            model, inputs, features=["dedup"], max_new_tokens=NEW_TOKENS, with_report=True, **CASES[case]
+        )
+    assert type(patched.past_key_values) is DynamicCache  # what leaves generate: upstream's class and layout
+    cache = caches[-1]
     if case == "greedy":  # nothing repeated: upstream's cache, untouched
-        assert type(cache) is DynamicCache
+        assert type(cache) is DynamicCache and not report.ran, str(report)
         return
-    assert isinstance(cache, SharedPrefixCache)
+    assert isinstance(cache, SharedPrefixCache) and report.fast_path("dedup"), str(report)
     prompt_len, rows = inputs["input_ids"].shape[1], BATCH * _group(CASES[case])
     for layer in cache.layers:
         assert layer.prefix_keys.shape[0] == layer.prefix_values.shape[0] == BATCH
@@ -68,8 +70,10 @@ def test_unpadded_batch_where_sdpa_skips_the_mask(family: str) -> None:
     """No padding: sdpa gets mask=None at decode steps and the wrapper attends to every key."""
     model = harness.tiny_hf_model(family)
     inputs = harness.tiny_inputs(model, batch=2, padded=False)
-    _, patched = harness.assert_same_generation(model, inputs, features=["dedup"], max_new_tokens=6, num_beams=3)
-    assert isinstance(patched.past_key_values, SharedPrefixCache)
+    _, _, report = harness.assert_same_generation(
+        model, inputs, features=["dedup"], max_new_tokens=6, num_beams=3, with_report=True
+    )
+    assert report.fast_path("dedup"), str(report)
 
 
 @pytest.mark.parametrize("family", harness.DECODER_ONLY)
@@ -78,7 +82,7 @@ def test_eager_attention_and_returned_internals(family: str) -> None:
     model = harness.tiny_hf_model(family)
     model.set_attn_implementation("eager")
     inputs = harness.tiny_inputs(model, batch=BATCH)
-    reference, patched = harness.assert_same_generation(
+    reference, patched, report = harness.assert_same_generation(
         model,
         inputs,
         features=["dedup"],
@@ -87,8 +91,9 @@ def test_eager_attention_and_returned_internals(family: str) -> None:
         output_attentions=True,
         output_hidden_states=True,
         output_logits=True,
+        with_report=True,
     )
-    assert isinstance(patched.past_key_values, SharedPrefixCache)
+    assert report.fast_path("dedup"), str(report)
     for name in ("attentions", "hidden_states", "logits"):
         ref_flat, new_flat = _flatten(getattr(reference, name)), _flatten(getattr(patched, name))
         assert len(ref_flat) == len(new_flat) > 0, name
@@ -107,8 +112,10 @@ def test_gpt2_layer_scaled_attention() -> None:
     """``scale_attn_by_inverse_layer_idx`` reaches attention as the ``scaling`` argument, which the fast path uses."""
     model = harness.tiny_hf_model("gpt2", scale_attn_by_inverse_layer_idx=True)
     inputs = harness.tiny_inputs(model, batch=BATCH)
-    _, patched = harness.assert_same_generation(model, inputs, features=["dedup"], max_new_tokens=6, num_beams=3)
-    assert isinstance(patched.past_key_values, SharedPrefixCache)
+    _, _, report = harness.assert_same_generation(
+        model, inputs, features=["dedup"], max_new_tokens=6, num_beams=3, with_report=True
+    )
+    assert report.fast_path("dedup"), str(report)
 
 
 def test_gpt2_token_type_ids_are_per_row_inputs() -> None:
@@ -116,8 +123,10 @@ def test_gpt2_token_type_ids_are_per_row_inputs() -> None:
     model = harness.tiny_hf_model("gpt2")
     inputs = harness.tiny_inputs(model, batch=2)
     inputs["token_type_ids"] = (torch.arange(12) % 3).expand(2, 12).clone()
-    _, patched = harness.assert_same_generation(model, inputs, features=["dedup"], max_new_tokens=6, num_beams=3)
-    assert isinstance(patched.past_key_values, SharedPrefixCache)
+    _, _, report = harness.assert_same_generation(
+        model, inputs, features=["dedup"], max_new_tokens=6, num_beams=3, with_report=True
+    )
+    assert report.fast_path("dedup"), str(report)
 
 
 def test_concurrent_generate_calls_keep_their_own_prefixes() -> None:
@@ -209,8 +218,9 @@ def test_prompt_cache_bytes_are_one_over_beams(family: str) -> None:
     kwargs = dict(num_beams=beams, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
     with fastgen.unpatched():
         upstream = model.generate(**inputs, **kwargs).past_key_values
-    with fastgen.patched(["dedup"]):
-        shared = model.generate(**inputs, **kwargs).past_key_values
+    with fastgen.patched(["dedup"]), harness.recorded_caches(model) as caches, fastgen.report() as report:
+        returned = model.generate(**inputs, **kwargs).past_key_values
+    shared = caches[-1]
     total = prompt_len + NEW_TOKENS - 1  # the last token's K/V is never computed
 
     def nbytes(*tensors: torch.Tensor) -> int:
@@ -221,34 +231,39 @@ def test_prompt_cache_bytes_are_one_over_beams(family: str) -> None:
     suffix_bytes = sum(nbytes(layer.keys, layer.values) for layer in shared.layers)
     assert prefix_bytes * beams * total == upstream_bytes * prompt_len  # the prompt part, exactly 1/M
     assert suffix_bytes * total == upstream_bytes * (total - prompt_len)  # the generated part, as upstream
+    assert report.cache_bytes_saved == prefix_bytes * (beams - 1)
+    assert sum(nbytes(layer.keys, layer.values) for layer in returned.layers) == upstream_bytes
     # Same K/V per hypothesis as upstream's cache (up to float rounding), also as DynamicCache iterates them.
     for (keys, values, _), theirs in zip(shared, upstream.layers, strict=True):
         torch.testing.assert_close(keys, theirs.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values, theirs.values, atol=1e-5, rtol=1e-5)
 
 
-def test_returned_cache_continues_correctly_without_fastgen() -> None:
-    """A returned shared-prompt cache fed to the model under ``unpatched()`` folds its prefix back in first."""
+@pytest.mark.parametrize("leave", ["unpatched", "disable"])
+def test_returned_cache_continues_correctly_without_fastgen(leave: str) -> None:
+    """The returned cache is a plain DynamicCache that upstream code continues from (issue 7, item 4)."""
     model = harness.tiny_hf_model("qwen2")
     inputs = harness.tiny_inputs(model, batch=2)
     kwargs = dict(num_beams=3, max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True)
     with fastgen.unpatched():
         upstream = model.generate(**inputs, **kwargs).past_key_values
-    with fastgen.patched(["dedup"]):
-        shared = model.generate(**inputs, **kwargs).past_key_values
-    assert isinstance(shared, SharedPrefixCache)
+    with fastgen.patched(["dedup"]), fastgen.report() as report:
+        returned = model.generate(**inputs, **kwargs).past_key_values
+    assert report.fast_path("dedup") and type(returned) is DynamicCache
+    assert all(type(layer) is DynamicLayer for layer in returned.layers)
     rows, cached, prompt_len = upstream.layers[0].keys.shape[0], upstream.get_seq_length(), inputs["input_ids"].shape[1]
-    assert shared.get_seq_length() == cached
+    assert returned.get_seq_length() == cached
+    for mine, theirs in zip(returned.layers, upstream.layers, strict=True):
+        assert mine.keys.shape == theirs.keys.shape
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
     generated = torch.ones(rows, cached + 1 - prompt_len, dtype=torch.long)
     mask = torch.cat([inputs["attention_mask"].repeat_interleave(3, 0), generated], dim=-1)
     step = dict(input_ids=torch.full((rows, 1), 7), attention_mask=mask)
-    with fastgen.unpatched(), torch.no_grad():
+    context = fastgen.unpatched() if leave == "unpatched" else harness.fastgen_disabled()
+    with context, torch.no_grad():
         expected = model(**step, past_key_values=upstream).logits
-        logits = model(**step, past_key_values=shared).logits
+        logits = model(**step, past_key_values=returned).logits
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
-    assert all(
-        layer.prefix_keys is None and layer.keys.shape == upstream.layers[0].keys.shape for layer in shared.layers
-    )
 
 
 @pytest.mark.parametrize(
@@ -265,10 +280,12 @@ def test_unsupported_calls_fall_back_to_upstream(family: str, overrides: dict, k
     if overrides:
         model.set_attn_implementation("eager")  # the GPT-2 option only changes the eager path
     inputs = harness.tiny_inputs(model, batch=2)
-    _, patched = harness.assert_same_generation(
-        model, inputs, features=["dedup"], max_new_tokens=5, num_beams=3, **kwargs
-    )
-    assert not isinstance(patched.past_key_values, SharedPrefixCache)
+    with harness.recorded_caches(model) as caches:
+        _, _, report = harness.assert_same_generation(
+            model, inputs, features=["dedup"], max_new_tokens=5, num_beams=3, with_report=True, **kwargs
+        )
+    assert not any(isinstance(cache, SharedPrefixCache) for cache in caches)
+    assert report.fell_back and "dedup" not in report.ran, str(report)
 
 
 def test_user_cache_and_inputs_embeds_fall_back_to_upstream() -> None:

@@ -44,15 +44,20 @@ def _generate(model: transformers.PreTrainedModel, inputs: dict[str, torch.Tenso
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_generation(model: transformers.PreTrainedModel, case: str) -> None:
     inputs = harness.tiny_inputs(model, batch=BATCH)
-    _, patched = harness.assert_same_generation(
-        model,
-        inputs,
-        features=["dedup"],
-        max_new_tokens=NEW_TOKENS,
-        **CASES[case],
-    )
+    with harness.recorded_caches(model) as caches:
+        _, patched, report = harness.assert_same_generation(
+            model,
+            inputs,
+            features=["dedup"],
+            max_new_tokens=NEW_TOKENS,
+            with_report=True,
+            **CASES[case],
+        )
     shared = case != "greedy"  # greedy has nothing to share and must stay upstream's
-    assert isinstance(patched.past_key_values, BeamSharedCrossAttentionCache) == shared
+    assert report.fast_path("dedup") == shared, str(report)
+    assert isinstance(caches[-1], BeamSharedCrossAttentionCache) == shared
+    # What leaves generate is upstream's class and layout, whatever ran inside.
+    assert type(patched.past_key_values) is EncoderDecoderCache
 
 
 @pytest.mark.parametrize("family", ["bart", "t5"])
@@ -130,12 +135,12 @@ def test_cross_attention_cache_is_shared_and_never_copied(monkeypatch: pytest.Mo
     monkeypatch.setattr(encoder_decoder, "group_beam_queries", spy_group)
     handle = model.get_decoder().register_forward_hook(record, with_kwargs=True)
     try:
-        with fastgen.patched(["dedup"]):
-            out = _generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS)
+        with fastgen.patched(["dedup"]), harness.recorded_caches(model) as caches:
+            _generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS)
     finally:
         handle.remove()
 
-    cache = out.past_key_values
+    cache = caches[-1]
     assert isinstance(cache, BeamSharedCrossAttentionCache)
     assert len(steps) == NEW_TOKENS
     first_cross = steps[0][0]
@@ -155,13 +160,13 @@ def test_cross_attention_cache_bytes_are_one_over_beams() -> None:
     beams = 4
     with fastgen.unpatched():
         upstream = _generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS).past_key_values
-    with fastgen.patched(["dedup"]):
-        shared = _generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS).past_key_values
+    with fastgen.patched(["dedup"]), fastgen.report() as report:
+        returned = _generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS).past_key_values
     assert type(upstream) is EncoderDecoderCache
     upstream_self, upstream_cross = cache_nbytes(upstream)
-    shared_self, shared_cross = cache_nbytes(shared)
-    assert shared_self == upstream_self
-    assert shared_cross * beams == upstream_cross
+    # Inside the call the cross K/V held 1/beams of upstream's bytes; the returned cache has upstream's size.
+    assert report.cache_bytes_saved * beams == upstream_cross * (beams - 1)
+    assert cache_nbytes(returned) == (upstream_self, upstream_cross)
 
 
 @pytest.mark.parametrize(
@@ -190,11 +195,11 @@ def test_precomputed_encoder_outputs() -> None:
     with fastgen.unpatched():
         reference = _generate(model, {}, encoder_outputs=BaseModelOutput(last_hidden_state=hidden.clone()), **kwargs)
     encoder_outputs = BaseModelOutput(last_hidden_state=hidden.clone())
-    with fastgen.patched(["dedup"]):
+    with fastgen.patched(["dedup"]), fastgen.report() as report:
         patched = _generate(model, {}, encoder_outputs=encoder_outputs, **kwargs)
     assert torch.equal(reference.sequences, patched.sequences)
     torch.testing.assert_close(patched.sequences_scores, reference.sequences_scores, atol=1e-5, rtol=1e-5)
-    assert isinstance(patched.past_key_values, BeamSharedCrossAttentionCache)
+    assert report.fast_path("dedup"), str(report)
     assert encoder_outputs.last_hidden_state.shape[0] == 2
 
 
@@ -214,7 +219,7 @@ def test_patches_are_declared_and_applied() -> None:
             for row in fastgen.status()
             if row.feature == "dedup" and row.target.startswith("transformers.")
         }
-    assert len(states) == 4  # expand inputs, prepare cache, prefill (decoder-only), attention interface
+    assert len(states) == 5  # expand inputs, prepare cache, prefill (decoder-only), attention interface, generate
     assert set(states.values()) == {"applied"}, states
 
 
@@ -272,9 +277,11 @@ def test_shared_cache_row_operations_match_an_expanded_cache() -> None:
 
 
 @pytest.mark.parametrize("family", ["bart", "t5"])
-def test_training_mode_runs_shared_kv_ungrouped(family: str) -> None:
-    """Grouping is skipped for modules in training mode (dropout layout); the shared cache still works."""
+def test_training_mode_without_dropout_keeps_the_fast_path(family: str) -> None:
+    """Training mode with dropout 0 draws no random numbers: the shared path runs and matches."""
     model = harness.tiny_hf_model(family).train()  # dropout is 0 in the tiny configs: deterministic
     inputs = harness.tiny_inputs(model, batch=BATCH)
-    _, patched = harness.assert_same_generation(model, inputs, features=["dedup"], max_new_tokens=5, num_beams=3)
-    assert isinstance(patched.past_key_values, BeamSharedCrossAttentionCache)
+    _, _, report = harness.assert_same_generation(
+        model, inputs, features=["dedup"], max_new_tokens=5, num_beams=3, with_report=True
+    )
+    assert report.fast_path("dedup"), str(report)

@@ -155,14 +155,25 @@ def test_fallback_warns_once_per_reason(fake_registry, caplog):
     with caplog.at_level(logging.WARNING, logger="fastgen"):
         assert ft.Processor()(-5) == -4
         assert ft.Processor()(-6) == -5
-    assert [r.message for r in caplog.records].count("fastgen[fake]: falling back to upstream: negative input") == 1
+    # pytest's handler names the logger, so the message does not repeat "fastgen" (issue 7, item 11).
+    assert [r.message for r in caplog.records].count("[fake] falling back to upstream: negative input") == 1
 
 
-def test_status_prints_a_table(fake_registry):
+def test_status_prints_a_table_that_fits_80_columns(fake_registry):
     fastgen.enable()
     text = str(fastgen.status())
-    assert text.splitlines()[0].split() == ["feature", "target", "state"]
-    assert f"{T}:Processor.__call__" in text and "applied" in text
+    lines = text.splitlines()
+    assert "'pending': applied when its module is imported" in lines[0]
+    assert lines[1].split() == ["feature", "state", "target"]
+    assert T in lines and any(line.split() == ["fake", "applied", "Processor.__call__"] for line in lines)
+    assert max(map(len, lines)) <= 80
+
+
+def test_real_status_table_fits_80_columns():
+    import transformers.generation.utils  # noqa: F401  (resolve the Transformers rows)
+
+    lines = str(fastgen.status()).splitlines()
+    assert len(lines) > len(registry.declared_patches()) and max(map(len, lines)) <= 80
 
 
 def _python(code: str, **env: str) -> str:
@@ -182,3 +193,47 @@ def test_import_is_lazy_and_env_switches_work():
     code = "import fastgen; from fastgen.optimizer import registry; print(sorted(registry._state.enabled_features))"
     assert _python(code, FASTGEN_FEATURES="") == str(sorted(fastgen.known_features()))  # unset/empty: all
     assert _python(code, FASTGEN_FEATURES="ngram") == "['ngram']"
+    assert _python(code, FASTGEN_FEATURES=" NGram , DEDUP ") == "['dedup', 'ngram']"
+
+
+def test_feature_names_accept_one_string_any_case(fake_registry):
+    fastgen.enable("Fake")
+    assert registry._state.enabled_features == {"fake"}
+    fastgen.enable(" fake , OTHER ")
+    assert registry._state.enabled_features == {"fake", "other"}
+    fastgen.enable([" Other"])
+    assert registry._state.enabled_features == {"other"}
+    with pytest.raises(ValueError, match=r"unknown fastgen feature\(s\): fkae; known features: fake, other"):
+        fastgen.enable("fkae")
+    with pytest.raises(TypeError):
+        fastgen.enable([1])
+
+
+def test_unknown_feature_in_environment_warns_and_never_breaks_the_import():
+    code = (
+        "import logging; logging.basicConfig(format='%(name)s|%(message)s'); import fastgen; "
+        "from fastgen.optimizer import registry; print(sorted(registry._state.enabled_features))"
+    )
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTGEN_")} | {
+        "FASTGEN_FEATURES": "ngarm,dedup"
+    }
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, check=True)
+    assert result.stdout.strip() == "['dedup']"
+    warnings = [line for line in result.stderr.splitlines() if "unknown feature" in line]
+    # One warning; the logger name says "fastgen" once (no doubled prefix under a logging set-up).
+    assert warnings == ["fastgen|FASTGEN_FEATURES: ignoring unknown feature(s) ngarm; known features: dedup, ngram"]
+
+
+def test_warning_names_fastgen_once_with_and_without_a_logging_setup():
+    code = "import fastgen; from fastgen.optimizer import registry; registry.fallback('dedup', 'a reason')"
+    plain = _python_stderr(code)
+    configured = _python_stderr("import logging; logging.basicConfig(format='%(name)s | %(message)s'); " + code)
+    assert plain == "fastgen [dedup] falling back to upstream: a reason"
+    assert configured == "fastgen | [dedup] falling back to upstream: a reason"
+
+
+def _python_stderr(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTGEN_")}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stderr.strip()
