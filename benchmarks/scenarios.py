@@ -7,6 +7,7 @@ forced with ``min_new_tokens == max_new_tokens`` (every hypothesis runs the full
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +19,40 @@ from benchmarks.measure import kv_cache_bytes
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """What one timed call returns: the token ids (for the identity check) and the KV-cache bytes."""
+    """What one timed call returns: the token ids (for the identity check) and the KV-cache bytes.
+
+    ``kv_cache_bytes`` are those of the cache the model decoded with (fastgen's deduplicated one),
+    not of the returned cache, which fastgen folds back into upstream's layout; the fold is part
+    of the timed call (``return_dict_in_generate=True``) and ``fold_seconds`` is its cost alone.
+    """
 
     sequences: torch.Tensor
     kv_cache_bytes: dict[str, int]
+    fold_seconds: float | None = None
+
+
+def decoding_cache(model: torch.nn.Module, call: Callable[[], Any]) -> tuple[Any, Any]:
+    """``call()``'s result and the last ``past_key_values`` object ``model``'s forward received."""
+    seen: list[Any] = []
+
+    def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("past_key_values") is not None:
+            seen[:] = [kwargs["past_key_values"]]
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        return call(), (seen[0] if seen else None)
+    finally:
+        handle.remove()
+
+
+def fold_seconds(cache: Any) -> float | None:
+    """Time of folding a deduplicated cache into upstream's layout (None for upstream's caches)."""
+    if not hasattr(cache, "to_upstream"):
+        return None
+    start = time.perf_counter()
+    cache.to_upstream()
+    return time.perf_counter() - start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +89,8 @@ class Scenario:
         kwargs = dict(self.generate, max_new_tokens=n, min_new_tokens=n, return_dict_in_generate=True)
 
         def run() -> Generation:
-            out = model.generate(**inputs, **kwargs)
-            return Generation(out.sequences, kv_cache_bytes(getattr(out, "past_key_values", None)))
+            out, cache = decoding_cache(model, lambda: model.generate(**inputs, **kwargs))
+            return Generation(out.sequences, kv_cache_bytes(cache), fold_seconds(cache))
 
         return run
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from fastgen.models._caches import plain_dynamic_cache
 from fastgen.models._families import is_subclass_of_any, unsupported_attention, unsupported_family
 from fastgen.ops.attention import prefix_shared_attention
 
@@ -249,15 +250,7 @@ class SharedPrefixCache(DynamicCache):
 
         For a cache handed back to the caller, which upstream code must be able to continue from.
         """
-        cache = DynamicCache()
-        for layer in self.layers:
-            keys, values = layer.per_hypothesis()
-            plain = DynamicLayer()
-            if layer.is_initialized:
-                plain.lazy_initialization(keys, values)
-                plain.keys, plain.values = keys, values
-            cache.layers.append(plain)
-        return cache
+        return plain_dynamic_cache(layer.per_hypothesis() if layer.is_initialized else None for layer in self.layers)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None, None]]:
         """Per-hypothesis K/V as ``DynamicCache`` yields them (the prefix repeated, not stored)."""

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
+from fastgen.models._caches import plain_dynamic_cache
 from fastgen.models._families import is_subclass_of_any, unsupported_attention, unsupported_family
 from fastgen.ops.attention import group_beam_queries, layout_for_groups, ungroup_beam_output, ungroup_beam_rows
 
@@ -112,12 +113,17 @@ class BeamSharedCrossAttentionCache(EncoderDecoderCache):
         """Upstream's layout (cross K/V repeated per hypothesis) as a plain ``EncoderDecoderCache``.
 
         For a cache handed back to the caller: it must work in upstream code, where nothing knows
-        that the cross rows are shared. Moves this cache's tensors; do not use it afterwards.
+        that the cross rows are shared. The self-attention cache is shared with this one (it already
+        has upstream's layout); the cross K/V are new tensors, so this cache is left as it was.
         """
         group = self.group_size()
-        if group > 1:
-            self.cross_attention_cache.batch_repeat_interleave(group)
-        return EncoderDecoderCache(self.self_attention_cache, self.cross_attention_cache)
+        cross = plain_dynamic_cache(
+            (layer.keys.repeat_interleave(group, 0), layer.values.repeat_interleave(group, 0))
+            if layer.is_initialized
+            else None
+            for layer in self.cross_attention_cache.layers
+        )
+        return EncoderDecoderCache(self.self_attention_cache, cross)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the self-attention cache only: beams of one input share their cross K/V."""
