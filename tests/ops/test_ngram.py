@@ -268,6 +268,29 @@ def test_matches_torch_reference(target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_n1_bans_exactly_the_valid_tokens(target):
+    """n == 1: each id in [0, V) among a row's valid tokens is banned and nothing else is touched, also
+    on a view that skips leading columns (the fairseq patch leaves out the start token that way)."""
+
+    @examples(target, 0.5)
+    @given(case=decoder_cases(negative_ids=True), skip=st.integers(0, 2), data=st.data())
+    def check(case, skip, data):
+        rows, width = case.tokens.shape
+        view = case.tokens[:, skip:]  # same storage: row stride > row width when skip > 0
+        per_row = torch.randint(-1, width + 2, (rows,), generator=case.gen)
+        length = data.draw(st.sampled_from([None, max(width - skip - 1, 0), per_row]))
+        vocab = case.scores.shape[1]
+        want = case.scores.clone()
+        for r in range(rows):
+            valid = view.shape[1] if length is None else int(length if isinstance(length, int) else length[r])
+            ids = [t for t in view[r, : max(valid, 0)].tolist() if 0 <= t < vocab]
+            want[r, ids] = float("-inf")
+        assert_same(ban(target, view, case.scores, 1, length), want, f"skip={skip} length={length}")
+
+    check()
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(
     ("rows", "width", "vocab", "n"),
     [
