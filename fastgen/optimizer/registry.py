@@ -167,12 +167,25 @@ def _signature_problem(func: Callable[..., Any], expects: tuple[str, ...] | None
 
 
 def _make_dispatcher(original: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
+    active = _active  # a closure variable, not a global: the body must not read this module's globals
+
     def dispatcher(*args: Any, **kwargs: Any) -> Any:
-        if _active.get():
+        if active.get():
             return replacement(*args, **kwargs)
         return original(*args, **kwargs)
 
+    # TorchScript (torch.jit.script of a fairseq SequenceGenerator) compiles the *original*: it reads
+    # the source through ``__wrapped__`` but resolves names in the dispatcher's ``__globals__``.
+    # Giving the dispatcher the original's globals makes scripting compile upstream's code exactly
+    # as without fastgen (instead of failing on "undefined value torch" and leaving TorchScript's
+    # type cache half-built). The body above only reads closure variables, so this changes nothing else.
+    source = inspect.unwrap(original)
+    globals_ = getattr(source, "__globals__", None)
+    if globals_ is not None:
+        dispatcher = types.FunctionType(
+            dispatcher.__code__, globals_, dispatcher.__name__, None, dispatcher.__closure__
+        )
+    functools.update_wrapper(dispatcher, original)
     dispatcher.__fastgen_patched__ = True  # type: ignore[attr-defined]
     return dispatcher
 
