@@ -504,3 +504,27 @@ print("ok")
     env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "setup, expected",
+    [
+        ("", "fastgen: n-gram blocking: FASTGEN_BACKEND='cuda' cannot run this call"),  # last-resort handler
+        (  # fairseq's logging format: the logger name is printed, so no prefix in the message
+            "import logging; logging.basicConfig(format='%(levelname)s | %(name)s | %(message)s'); ",
+            "WARNING | fastgen | n-gram blocking: FASTGEN_BACKEND='cuda' cannot run this call",
+        ),
+    ],
+    ids=["no-logging-config", "fairseq-format"],
+)
+def test_warnings_name_fastgen_once(setup, expected):
+    code = setup + (
+        "import torch; from fastgen.ops.ngram import ban_repeated_ngrams; "
+        "ban_repeated_ngrams(torch.tensor([[1, 2, 1]]), torch.zeros(1, 4), 2)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FASTGEN_BACKEND": "cuda", "FASTGEN_DISABLE": "1"}
+    if HAS_CUDA:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    lines = [line for line in out.stderr.splitlines() if "FASTGEN_BACKEND" in line]
+    assert len(lines) == 1 and expected in lines[0] and lines[0].count("fastgen") == 1, out.stderr
