@@ -261,3 +261,24 @@ def test_plain_transformer_still_takes_the_dedup_path(fairseq_transformer, spy_e
     with fastgen.patched(["dedup"]):
         harness.fairseq_generate(model, dictionary, sample, beam_size=4, max_len_b=10)
     assert all(n < 3 for n in spy_encoder_reorder), spy_encoder_reorder  # never expanded to B·M rows
+
+
+def test_print_alignment_generator_runs_upstream(fairseq_transformer, spy_encoder_reorder, dedup_fallbacks):
+    """``--print-alignment`` uses ``SequenceGeneratorWithAlignment`` (alignment heads read per beam): upstream."""
+    from fairseq.sequence_generator import SequenceGeneratorWithAlignment
+
+    model, dictionary = fairseq_transformer
+    sample = harness.tiny_fairseq_sample(dictionary, batch=3, length=10)
+    results = []
+    for scope in (fastgen.unpatched(), fastgen.patched(["dedup"])):
+        generator = SequenceGeneratorWithAlignment([model], dictionary, beam_size=4, max_len_b=10)
+        spy_encoder_reorder.clear()
+        with scope, torch.no_grad():
+            results.append(generator.generate([model], sample))
+        assert spy_encoder_reorder[0] == 3 * 4  # encoder_out expanded to B·M rows: upstream's path
+    for ref_hypos, cand_hypos in zip(*results, strict=True):
+        for ref, cand in zip(ref_hypos, cand_hypos, strict=True):
+            assert torch.equal(ref["tokens"], cand["tokens"])
+            assert ref["alignment"] == cand["alignment"] and ref["alignment"]  # hard alignment: (src, tgt) pairs
+            assert torch.equal(ref["positional_scores"], cand["positional_scores"])
+    assert len(dedup_fallbacks) == 1 and "SequenceGeneratorWithAlignment" in dedup_fallbacks[0]
