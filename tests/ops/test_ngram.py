@@ -498,6 +498,12 @@ for tok, score, has_lengths, decoder in itertools.product(("i32", "i64"), ("fp32
     constants = {"HAS_LENGTHS": bool(has_lengths), "DECODER": bool(decoder), "BLOCK": 128}
     compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
     assert "ptx" in compiled.asm
+# Triton specialises an int argument equal to 1 as a constant: n == 1 gets its own compile (no prefix loop).
+for has_lengths, decoder in itertools.product((0, 1), (0, 1)):
+    signature.update(hay_ptr="*i64", tok_ptr="*i64", scores_ptr="*fp32", n="constexpr")
+    constants = {"n": 1, "HAS_LENGTHS": bool(has_lengths), "DECODER": bool(decoder), "BLOCK": 128}
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    assert "ptx" in compiled.asm
 print("ok")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
