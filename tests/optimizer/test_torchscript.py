@@ -19,7 +19,7 @@ import fastgen
 from tests import harness
 from tests.conftest import HAS_FAIRSEQ
 
-pytestmark = pytest.mark.skipif(not HAS_FAIRSEQ, reason="fairseq is not installed")
+fairseq_only = pytest.mark.skipif(not HAS_FAIRSEQ, reason="fairseq is not installed")
 
 SETTINGS = dict(beam_size=2, no_repeat_ngram_size=2, max_len_b=10)  # as fairseq's own test
 
@@ -47,6 +47,8 @@ def _assert_same(reference: list, candidate: list) -> None:
 
 @pytest.fixture
 def setup():
+    if not HAS_FAIRSEQ:
+        pytest.skip("fairseq is not installed")
     model, dictionary = harness.tiny_fairseq_transformer()
     sample = harness.tiny_fairseq_sample(dictionary, batch=3, length=10)
     with fastgen.unpatched():  # upstream, eager: what scripting must reproduce
@@ -91,6 +93,7 @@ def test_script_with_only_ngram_is_upstream_not_a_mix(setup):
     assert any(harness.has_repeated_ngram(h["tokens"].tolist(), 2) for hypos in scripted for h in hypos)
 
 
+@fairseq_only
 def test_dispatcher_still_dispatches():
     """The dispatcher runs on upstream's globals but only reads its closure: patched and unpatched calls."""
     from fairseq.ngram_repeat_block import NGramRepeatBlock
@@ -107,3 +110,31 @@ def test_dispatcher_still_dispatches():
         with fastgen.unpatched():
             upstream = blocker(tokens, torch.zeros(1, 12), 1, 1, 5)
     assert patched.isinf().nonzero().tolist() == [[0, 9]] and not upstream.isinf().any()
+
+
+def test_script_compiles_the_original_of_any_patch(monkeypatch):
+    """Registry level, no fairseq: a patched ``forward`` that reads its module's globals scripts to the
+    original in every state, while eager calls dispatch as usual."""
+    from fastgen.optimizer import registry
+    from fastgen.optimizer.registry import Patch
+    from tests.optimizer import fake_scriptable as fs
+
+    module = "tests.optimizer.fake_scriptable"
+    patch = Patch("fake", f"{module}:Doubler.forward", f"{module}:plus_one", "torch", ">=2")
+    was_enabled = registry.is_enabled()
+    fastgen.disable()
+    monkeypatch.setattr(registry, "declared_patches", lambda: [patch])
+    x = torch.arange(3.0)
+    try:
+        fastgen.enable()
+        assert torch.equal(fs.Doubler()(x), 2 * x + 1)
+        with fastgen.unpatched():
+            assert torch.equal(fs.Doubler()(x), 2 * x)
+        assert torch.equal(torch.jit.script(fs.Doubler())(x), 2 * x)
+        fastgen.disable()
+        assert torch.equal(torch.jit.script(fs.Doubler())(x), 2 * x)
+    finally:
+        fastgen.disable()
+        monkeypatch.undo()
+        if was_enabled:
+            fastgen.enable()
