@@ -167,18 +167,20 @@ def _signature_problem(func: Callable[..., Any], expects: tuple[str, ...] | None
 
 
 def _make_dispatcher(original: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:
-    active = _active  # a closure variable, not a global: the body must not read this module's globals
+    # The body reads closure variables only, never this module's globals (see below); their names
+    # are unlikely to shadow a global of the upstream module for TorchScript.
+    _fastgen_active, _fastgen_original, _fastgen_replacement = _active, original, replacement
 
     def dispatcher(*args: Any, **kwargs: Any) -> Any:
-        if active.get():
-            return replacement(*args, **kwargs)
-        return original(*args, **kwargs)
+        if _fastgen_active.get():
+            return _fastgen_replacement(*args, **kwargs)
+        return _fastgen_original(*args, **kwargs)
 
     # TorchScript (torch.jit.script of a fairseq SequenceGenerator) compiles the *original*: it reads
-    # the source through ``__wrapped__`` but resolves names in the dispatcher's ``__globals__``.
-    # Giving the dispatcher the original's globals makes scripting compile upstream's code exactly
-    # as without fastgen (instead of failing on "undefined value torch" and leaving TorchScript's
-    # type cache half-built). The body above only reads closure variables, so this changes nothing else.
+    # the source through ``__wrapped__`` but resolves names in the dispatcher's ``__globals__`` (plus
+    # its closure). Giving the dispatcher the original's globals makes scripting compile upstream's
+    # code exactly as without fastgen (instead of failing on "undefined value torch" and leaving
+    # TorchScript's type cache half-built). Python calls are unaffected: the body reads no globals.
     source = inspect.unwrap(original)
     globals_ = getattr(source, "__globals__", None)
     if globals_ is not None:
