@@ -18,19 +18,56 @@ def cross_attention_modules(model: Any) -> list[Any]:
     return [attn for layer in layers if (attn := getattr(layer, "encoder_attn", None)) is not None]
 
 
+def _allowed_classes() -> tuple[frozenset[type], frozenset[type], frozenset[type]]:
+    """(encoders, decoders, decoder layers) whose handling of ``encoder_out`` the tests prove equal.
+
+    Exact classes, not ``isinstance``: a subclass may read per-beam encoder state its own way
+    (fairseq's pointer-generator decoder reads ``encoder_out["src_tokens"]`` once per beam).
+    """
+    from fairseq.models.transformer import (
+        TransformerDecoder,
+        TransformerDecoderBase,
+        TransformerEncoder,
+        TransformerEncoderBase,
+    )
+    from fairseq.modules.transformer_layer import TransformerDecoderLayer, TransformerDecoderLayerBase
+
+    return (
+        frozenset({TransformerEncoderBase, TransformerEncoder}),
+        frozenset({TransformerDecoderBase, TransformerDecoder}),
+        frozenset({TransformerDecoderLayerBase, TransformerDecoderLayer}),
+    )
+
+
 def unsupported_reason(models: Sequence[Any]) -> str | None:
-    """Why these models cannot share encoder outputs across beams, or None when they can."""
-    from fairseq.models.transformer import TransformerDecoderBase, TransformerEncoderBase
+    """Why these models cannot share encoder outputs across beams, or None when they can.
+
+    Admitted: fairseq's own Transformer encoder, decoder and decoder layers (exact classes), with
+    fairseq's ``MultiheadAttention`` as cross-attention, and without the options that read
+    ``encoder_out`` once per beam: ``cross_self_attention`` concatenates it with each beam's
+    decoder states. (Alignment output, ``--print-alignment``, comes from
+    ``SequenceGeneratorWithAlignment``, which the caller already leaves to upstream.)
+    """
     from fairseq.modules import MultiheadAttention
 
+    encoders, decoders, layers = _allowed_classes()
     for model in models:
-        if not isinstance(getattr(model, "encoder", None), TransformerEncoderBase):
-            return f"{type(model).__name__}: encoder is not a fairseq TransformerEncoder"
-        if not isinstance(getattr(model, "decoder", None), TransformerDecoderBase):
-            return f"{type(model).__name__}: decoder is not a fairseq TransformerDecoder"
+        name = type(model).__name__
+        encoder, decoder = getattr(model, "encoder", None), getattr(model, "decoder", None)
+        if type(encoder) not in encoders:
+            return f"{name}: encoder {type(encoder).__name__} is not fairseq's TransformerEncoder (exact class)"
+        if type(decoder) not in decoders:
+            return f"{name}: decoder {type(decoder).__name__} is not fairseq's TransformerDecoder (exact class)"
+        decoder_layers = list(getattr(decoder, "layers", []))
+        if any(type(layer) not in layers for layer in decoder_layers):
+            return f"{name}: a decoder layer is not fairseq's TransformerDecoderLayer (exact class)"
+        if getattr(decoder, "cross_self_attention", False) or any(
+            getattr(layer, "cross_self_attention", False) for layer in decoder_layers
+        ):
+            return f"{name}: cross_self_attention reads the encoder output once per beam"
         modules = cross_attention_modules(model)
         if not modules or any(type(m) is not MultiheadAttention for m in modules):
-            return f"{type(model).__name__}: cross-attention is not fairseq's MultiheadAttention"
+            return f"{name}: cross-attention is not fairseq's MultiheadAttention"
     return None
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from fastgen._log import origin
+
 logger = logging.getLogger("fastgen")
 
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -84,7 +86,7 @@ def _jit_build() -> tuple[ModuleType | None, str | None]:
         return None, "no prebuilt fastgen._C and no nvcc to build it (set CUDA_HOME or install the CUDA toolkit)"
     build_dir = _cache_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("fastgen: building the CUDA extension into %s (first use only)", build_dir)
+    logger.info("%sbuilding the CUDA extension into %s (first use only)", origin(), build_dir)
     try:
         module = cpp_extension.load(
             name="fastgen_C",
@@ -111,7 +113,7 @@ def _load_uncached() -> tuple[ModuleType | None, str | None, str | None]:
     if module is not None:
         return module, None, "prebuilt"
     if reason is not None:
-        logger.warning("fastgen: %s; trying a JIT build", reason)
+        logger.warning("%s%s; trying a JIT build", origin(), reason)
     module, jit_reason = _jit_build()
     if module is not None:
         return module, None, "jit"
@@ -132,7 +134,7 @@ def load() -> ModuleType | None:
             if _module is None:
                 # Expected on CPU-only machines; a real failure where a GPU is present deserves a warning.
                 level = logging.WARNING if torch.cuda.is_available() else logging.INFO
-                logger.log(level, "fastgen: compiled kernels unavailable: %s", _reason)
+                logger.log(level, "%scompiled kernels unavailable: %s", origin(), _reason)
             _loaded = True
     return _module
 

@@ -31,6 +31,8 @@ from types import ModuleType
 
 import torch
 
+from fastgen._log import origin
+
 _log = logging.getLogger("fastgen")
 BACKENDS = ("triton", "torch")
 
@@ -194,7 +196,7 @@ def _env_backend() -> str | None:
         return value
     if value not in _WARNED_ENV:
         _WARNED_ENV.add(value)
-        _log.warning("fastgen: ignoring FASTGEN_BACKEND=%r (expected cuda, triton or torch)", value)
+        _log.warning("%signoring FASTGEN_BACKEND=%r (expected cuda, triton or torch)", origin(), value)
     return None
 
 
@@ -209,7 +211,7 @@ def _load_triton() -> tuple[ModuleType | None, str]:
         return importlib.import_module(_TRITON_MODULE), ""
     except Exception as exc:  # ImportError, or a Triton that breaks while initialising its driver
         reason = f"triton failed to import ({type(exc).__name__}: {exc})"
-        _log.warning("fastgen: Triton attention backend unavailable, using torch: %s", reason)
+        _log.warning("%sTriton attention backend unavailable, using torch: %s", origin(), reason)
         return None, reason
 
 

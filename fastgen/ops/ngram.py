@@ -35,6 +35,8 @@ from types import ModuleType
 
 import torch
 
+from fastgen._log import origin
+
 logger = logging.getLogger("fastgen")
 _warned: set[str] = set()
 
@@ -42,7 +44,7 @@ _warned: set[str] = set()
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        logger.warning("fastgen: %s", message)
+        logger.warning("%s%s", origin(), message)
 
 
 __all__ = ["BACKENDS", "available_backends", "ban_encoder_ngrams", "ban_repeated_ngrams"]
@@ -222,7 +224,7 @@ def _load_triton() -> ModuleType | None:
             module = importlib.import_module("fastgen.ops.triton.ngram")
         except Exception as exc:  # any import failure means "not this backend", never a crash
             _triton_reason = f"Triton kernels failed to import: {type(exc).__name__}: {exc}"
-            logger.warning("fastgen: n-gram blocking skips the Triton backend: %s", _triton_reason)
+            logger.warning("%sn-gram blocking skips the Triton backend: %s", origin(), _triton_reason)
         else:
             _triton_module = module
     return _triton_module

@@ -34,6 +34,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from fastgen._log import origin
 from fastgen.optimizer import report
 
 log = logging.getLogger("fastgen")
@@ -178,18 +179,33 @@ def _signature_problem(func: Callable[..., Any], expects: tuple[str, ...] | None
 def _make_dispatcher(
     original: Callable[..., Any], replacement: Callable[..., Any], traced: bool = False
 ) -> Callable[..., Any]:
-    if traced:
+    if traced:  # see Patch.traced: the replacement itself, marked as patched
         installed = functools.wraps(original)(replacement)
-    else:
+        installed.__fastgen_patched__ = True  # type: ignore[attr-defined]
+        return installed
+    # The body reads closure variables only, never this module's globals (see below); their names
+    # are unlikely to shadow a global of the upstream module for TorchScript.
+    _fastgen_active, _fastgen_original, _fastgen_replacement = _active, original, replacement
 
-        @functools.wraps(original)
-        def installed(*args: Any, **kwargs: Any) -> Any:
-            if _active.get():
-                return replacement(*args, **kwargs)
-            return original(*args, **kwargs)
+    def dispatcher(*args: Any, **kwargs: Any) -> Any:
+        if _fastgen_active.get():
+            return _fastgen_replacement(*args, **kwargs)
+        return _fastgen_original(*args, **kwargs)
 
-    installed.__fastgen_patched__ = True  # type: ignore[attr-defined]
-    return installed
+    # TorchScript (torch.jit.script of a fairseq SequenceGenerator) compiles the *original*: it reads
+    # the source through ``__wrapped__`` but resolves names in the dispatcher's ``__globals__`` (plus
+    # its closure). Giving the dispatcher the original's globals makes scripting compile upstream's
+    # code exactly as without fastgen (instead of failing on "undefined value torch" and leaving
+    # TorchScript's type cache half-built). Python calls are unaffected: the body reads no globals.
+    source = inspect.unwrap(original)
+    globals_ = getattr(source, "__globals__", None)
+    if globals_ is not None:
+        dispatcher = types.FunctionType(
+            dispatcher.__code__, globals_, dispatcher.__name__, None, dispatcher.__closure__
+        )
+    functools.update_wrapper(dispatcher, original)
+    dispatcher.__fastgen_patched__ = True  # type: ignore[attr-defined]
+    return dispatcher
 
 
 def _load_factory(path: str) -> Callable[..., Any]:
@@ -310,7 +326,7 @@ def _features_from_env(known: list[str]) -> list[str] | None:
     if unknown:
         log.warning(
             "%sFASTGEN_FEATURES: ignoring unknown feature(s) %s; known features: %s",
-            _prefix(),
+            origin(),
             ", ".join(unknown),
             ", ".join(known),
         )
@@ -452,18 +468,11 @@ def status() -> StatusTable:
         return rows
 
 
-def _prefix() -> str:
-    """ "fastgen " where no handler would print the logger's name (Python's last-resort handler
-    prints the message alone); empty under a logging set-up, which names the logger (fairseq's
-    ``%(name)s | %(message)s``), so "fastgen" appears exactly once either way."""
-    return "" if log.hasHandlers() else "fastgen "
-
-
 def _warn_once(feature: str, message: str) -> None:
     key = (feature, message)
     if key not in _state.warned:
         _state.warned.add(key)
-        log.warning("%s[%s] %s", _prefix(), feature, message)
+        log.warning("%s%s", origin(feature), message)
 
 
 def fallback(feature: str, reason: str) -> None:

@@ -268,6 +268,29 @@ def test_matches_torch_reference(target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_n1_bans_exactly_the_valid_tokens(target):
+    """n == 1: each id in [0, V) among a row's valid tokens is banned and nothing else is touched, also
+    on a view that skips leading columns (the fairseq patch leaves out the start token that way)."""
+
+    @examples(target, 0.5)
+    @given(case=decoder_cases(negative_ids=True), skip=st.integers(0, 2), data=st.data())
+    def check(case, skip, data):
+        rows, width = case.tokens.shape
+        view = case.tokens[:, skip:]  # same storage: row stride > row width when skip > 0
+        per_row = torch.randint(-1, width + 2, (rows,), generator=case.gen)
+        length = data.draw(st.sampled_from([None, max(width - skip - 1, 0), per_row]))
+        vocab = case.scores.shape[1]
+        want = case.scores.clone()
+        for r in range(rows):
+            valid = view.shape[1] if length is None else int(length if isinstance(length, int) else length[r])
+            ids = [t for t in view[r, : max(valid, 0)].tolist() if 0 <= t < vocab]
+            want[r, ids] = float("-inf")
+        assert_same(ban(target, view, case.scores, 1, length), want, f"skip={skip} length={length}")
+
+    check()
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(
     ("rows", "width", "vocab", "n"),
     [
@@ -475,9 +498,39 @@ for tok, score, has_lengths, decoder in itertools.product(("i32", "i64"), ("fp32
     constants = {"HAS_LENGTHS": bool(has_lengths), "DECODER": bool(decoder), "BLOCK": 128}
     compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
     assert "ptx" in compiled.asm
+# Triton specialises an int argument equal to 1 as a constant: n == 1 gets its own compile (no prefix loop).
+for has_lengths, decoder in itertools.product((0, 1), (0, 1)):
+    signature.update(hay_ptr="*i64", tok_ptr="*i64", scores_ptr="*fp32", n="constexpr")
+    constants = {"n": 1, "HAS_LENGTHS": bool(has_lengths), "DECODER": bool(decoder), "BLOCK": 128}
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    assert "ptx" in compiled.asm
 print("ok")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "setup, expected",
+    [
+        ("", "fastgen: n-gram blocking: FASTGEN_BACKEND='cuda' cannot run this call"),  # last-resort handler
+        (  # fairseq's logging format: the logger name is printed, so no prefix in the message
+            "import logging; logging.basicConfig(format='%(levelname)s | %(name)s | %(message)s'); ",
+            "WARNING | fastgen | n-gram blocking: FASTGEN_BACKEND='cuda' cannot run this call",
+        ),
+    ],
+    ids=["no-logging-config", "fairseq-format"],
+)
+def test_warnings_name_fastgen_once(setup, expected):
+    code = setup + (
+        "import torch; from fastgen.ops.ngram import ban_repeated_ngrams; "
+        "ban_repeated_ngrams(torch.tensor([[1, 2, 1]]), torch.zeros(1, 4), 2)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FASTGEN_BACKEND": "cuda", "FASTGEN_DISABLE": "1"}
+    if HAS_CUDA:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    lines = [line for line in out.stderr.splitlines() if "FASTGEN_BACKEND" in line]
+    assert len(lines) == 1 and expected in lines[0] and lines[0].count("fastgen") == 1, out.stderr

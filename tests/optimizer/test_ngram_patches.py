@@ -9,6 +9,8 @@ tokens, i.e. the intended semantics (those of fairseq's CUDA kernel).
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,6 +113,33 @@ def _unpadded(row: list[int]) -> list[int]:
     while row and row[-1] == harness.PAD:
         row = row[:-1]
     return row
+
+
+N1_MODES: dict[str, dict[str, Any]] = {
+    "beam": dict(num_beams=4, no_repeat_ngram_size=1),
+    "greedy": dict(no_repeat_ngram_size=1),
+    "sample": dict(do_sample=True, no_repeat_ngram_size=1, num_return_sequences=2),
+}
+
+
+@needs_hf_ngram
+@pytest.mark.parametrize("mode", list(N1_MODES))
+@pytest.mark.parametrize("family", ["bart", "t5", "gpt2"])
+def test_no_repeat_ngram_1_matches_upstream(models: dict[str, Any], spy: Spy, family: str, mode: str) -> None:
+    """HF's n = 1 bans every id in ``input_ids``: the prompt (decoder-only) and the decoder start token
+    (encoder-decoder; BART's is EOS, so it can never finish early). fastgen keeps exactly that."""
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=2)
+    _, candidate = harness.assert_same_generation(
+        model, inputs, features=["ngram"], max_new_tokens=NEW_TOKENS, **N1_MODES[mode]
+    )
+    assert spy.calls.get("ban_repeated_ngrams", 0) > 0 and spy.banned > 0 and not spy.fallbacks
+    # Generated tokens are all distinct (bar the decoder start token and a forced final EOS).
+    prompt = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]
+    for row in candidate.sequences[:, prompt:].tolist():
+        row = _unpadded(row)
+        row = row[:-1] if row and row[-1] == harness.EOS else row
+        assert len(set(row)) == len(row), row
 
 
 ENCODER_MODES: dict[str, dict[str, Any]] = {
@@ -341,28 +370,129 @@ def test_fairseq_upstream_cpu_blocker_bans_nothing(fairseq_transformer: Any, n: 
         assert [h["tokens"].tolist() for h in blocked_hypos] == [h["tokens"].tolist() for h in free_hypos]
 
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+BACKENDS = [
+    pytest.param("torch", id="torch"),
+    pytest.param(
+        "triton",
+        id="triton",
+        marks=pytest.mark.skipif(
+            not _HAS_TRITON or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+            reason="Triton missing, or no GPU and no TRITON_INTERPRET=1",
+        ),
+    ),
+    pytest.param(
+        "cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
+    ),
+]
+
+
 @fairseq_only
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_fairseq_forward_bans_in_place_on_valid_tokens(n: int) -> None:
-    """Direct calls on a padded buffer: in place like upstream, equal to the CUDA kernel's semantics."""
+def test_fairseq_forward_bans_in_place_on_valid_tokens(n: int, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Direct calls on a padded buffer: in place like upstream, equal to the CUDA kernel's semantics
+    (but for n = 1, the start token), on every backend of the op."""
+    monkeypatch.setenv("FASTGEN_BACKEND", backend)
+    device = "cuda" if backend == "cuda" else "cpu"
     from fairseq.ngram_repeat_block import NGramRepeatBlock
 
     generator = torch.Generator().manual_seed(n)
     bsz, beam, step, vocab = 2, 3, 9, 7
     tokens = torch.full((bsz * beam, 14), 1)  # pad past the valid step + 1 tokens, as fairseq's buffer
-    tokens[:, : step + 1] = torch.randint(2, vocab, (bsz * beam, step + 1), generator=generator)
+    tokens[:, 0] = 2  # the start token (fairseq: EOS), never generated again by a live hypothesis
+    tokens[:, 1 : step + 1] = torch.randint(3, 6, (bsz * beam, step), generator=generator)  # few ids: repeats
     lprobs = torch.randn(bsz * beam, vocab, generator=generator)
     expected = lprobs.clone()
-    # fairseq's CUDA kernel: every window of the valid tokens whose first n-1 equal the last n-1 bans its last.
+    # fairseq's CUDA kernel: every window of the valid tokens whose first n-1 equal the last n-1 bans its last;
+    # except that for n == 1 the start token (window 0) is not a 1-gram of the hypothesis.
     for row in range(bsz * beam):
         valid = tokens[row, : step + 1].tolist()
-        for i in range(step + 2 - n):
+        for i in range(1 if n == 1 else 0, step + 2 - n):
             if valid[i : i + n - 1] == valid[step + 2 - n :]:
                 expected[row, valid[i + n - 1]] = float("-inf")
     blocker = NGramRepeatBlock(n, use_extension=False)
+    tokens, lprobs = tokens.to(device), lprobs.to(device)
     with fastgen.patched(["ngram"]):
         out = blocker(tokens, lprobs, bsz, beam, step)
-    assert out is lprobs and torch.equal(lprobs, expected)
-    assert torch.isinf(expected).any()
+    assert out is lprobs and torch.equal(lprobs.cpu(), expected)
+    assert torch.isinf(expected).any() and not torch.isinf(expected[:, 2]).any()
     with fastgen.patched(["ngram"]), pytest.raises(AssertionError):
         blocker(tokens, lprobs, bsz + 1, beam, step)  # a wrong row count still fails as upstream does
+
+
+# ------------------------------------------------------------------- fairseq, no_repeat_ngram_size=1
+
+
+def _one_gram_blocker(start_is_a_token: bool) -> Any:
+    """A plain-Python blocker for n = 1: bans every token of ``tokens[:, first : step + 1]``.
+
+    ``start_is_a_token=False`` is fastgen's semantics (the start token at position 0 is not a generated
+    token); ``True`` is what fairseq's CUDA kernel does for n = 1 (read from
+    ``fairseq/clib/cuda/ngram_repeat_block_cuda_kernel.cu`` at v0.12.3: ``step + 1`` threads, each
+    banning ``tokens[row, col]``, column 0 included).
+    """
+    from fairseq.ngram_repeat_block import NGramRepeatBlock
+
+    first = 0 if start_is_a_token else 1
+
+    class OneGramBlocker(NGramRepeatBlock):
+        def forward(self, tokens: torch.Tensor, lprobs: torch.Tensor, bsz: int, beam_size: int, step: int) -> Any:
+            for row in range(tokens.shape[0]):
+                lprobs[row, tokens[row, first : step + 1].unique()] = float("-inf")
+            return lprobs
+
+    return OneGramBlocker(1, use_extension=False)
+
+
+def _generate_with(blocker: Any, model: Any, dictionary: Any, sample: dict, **kwargs: Any) -> list:
+    from fairseq.sequence_generator import SequenceGenerator
+
+    generator = SequenceGenerator([model], dictionary, no_repeat_ngram_size=1, **kwargs)
+    generator.repeat_ngram_blocker = blocker
+    torch.manual_seed(0)
+    with fastgen.unpatched(), torch.no_grad():
+        return generator.generate([model], sample)
+
+
+FAIRSEQ_N1_MODES = {
+    "beam": dict(beam_size=4),
+    "greedy": dict(beam_size=1),
+    "sampling": dict(beam_size=3, sampling=True, sampling_topk=8),
+}
+
+
+@fairseq_only
+@pytest.mark.parametrize("mode", list(FAIRSEQ_N1_MODES))
+def test_fairseq_no_repeat_ngram_1_finishes(fairseq_transformer: Any, spy: Spy, mode: str) -> None:
+    """n = 1 used to ban the start token (EOS) at every step, so fairseq's ``assert step < max_len`` fired."""
+    from fairseq import search
+
+    model, dictionary = fairseq_transformer
+    sample = harness.tiny_fairseq_sample(dictionary, batch=3, length=10)
+    kwargs = dict(FAIRSEQ_N1_MODES[mode], max_len_b=FAIRSEQ_LEN)
+    if kwargs.pop("sampling", False):
+        kwargs["search_strategy"] = search.Sampling(dictionary, sampling_topk=kwargs.pop("sampling_topk"))
+    reference = _generate_with(_one_gram_blocker(start_is_a_token=False), model, dictionary, sample, **kwargs)
+    with fastgen.patched(["ngram"]):
+        torch.manual_seed(0)
+        candidate = harness.fairseq_generate(model, dictionary, sample, no_repeat_ngram_size=1, **kwargs)
+    assert spy.calls.get("ban_repeated_ngrams", 0) > 0 and spy.banned > 0 and not spy.fallbacks
+    for ref_hypos, cand_hypos in zip(reference, candidate, strict=True):
+        assert len(ref_hypos) == len(cand_hypos) == kwargs["beam_size"]
+        for ref, cand in zip(ref_hypos, cand_hypos, strict=True):
+            assert torch.equal(ref["tokens"], cand["tokens"]), (ref["tokens"].tolist(), cand["tokens"].tolist())
+            harness.assert_close_scores(ref["positional_scores"], cand["positional_scores"], "n=1", 1e-5, 1e-5)
+            tokens = cand["tokens"].tolist()
+            assert tokens[-1] == dictionary.eos() and len(set(tokens)) == len(tokens), tokens
+
+
+@fairseq_only
+def test_fairseq_cuda_kernel_semantics_for_n1_cannot_finish(fairseq_transformer: Any) -> None:
+    """What fairseq's own CUDA kernel does for n = 1 (emulated: no GPU here): it bans the start token
+    EOS too, nothing finishes, and SequenceGenerator fails its ``step < max_len`` assertion."""
+    model, dictionary = fairseq_transformer
+    sample = harness.tiny_fairseq_sample(dictionary, batch=2, length=8)
+    with pytest.raises(AssertionError, match=f"{FAIRSEQ_LEN} < {FAIRSEQ_LEN}"):
+        _generate_with(_one_gram_blocker(start_is_a_token=True), model, dictionary, sample, beam_size=2,
+                       max_len_a=0, max_len_b=FAIRSEQ_LEN)  # fmt: skip

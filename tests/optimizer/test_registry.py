@@ -229,7 +229,7 @@ def test_warning_names_fastgen_once_with_and_without_a_logging_setup():
     plain = _python_stderr(code)
     configured = _python_stderr("import logging; logging.basicConfig(format='%(name)s | %(message)s'); " + code)
     # (other lines: e.g. on an unsupported transformers the version warning)
-    assert "fastgen [dedup] falling back to upstream: a reason" in plain.splitlines()
+    assert "fastgen[dedup]: falling back to upstream: a reason" in plain.splitlines()
     assert "fastgen | [dedup] falling back to upstream: a reason" in configured.splitlines()
 
 

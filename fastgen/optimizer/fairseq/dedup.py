@@ -19,14 +19,15 @@ _BEAM_ATTR = "_fastgen_shared_encoder_beam"
 
 
 def make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
-    from fairseq.sequence_generator import SequenceGenerator
+    from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
     def _generate(self: Any, sample: Any, *args: Any, **kwargs: Any) -> Any:
         beam = self.beam_size
         if beam <= 1 or not self.model.has_encoder() or already_beamable(self.model.models):
             return original(self, sample, *args, **kwargs)  # nothing to share, or upstream already does
-        if type(self) is not SequenceGenerator:
-            fallback(FEATURE, f"{type(self).__name__} is not a plain SequenceGenerator")
+        if type(self) is not SequenceGenerator or type(self.model) is not EnsembleModel:
+            pair = f"{type(self).__name__}/{type(self.model).__name__}"
+            fallback(FEATURE, f"{pair} is not fairseq's SequenceGenerator/EnsembleModel (exact classes)")
             return original(self, sample, *args, **kwargs)
         reason = unsupported_reason(self.model.models)
         if reason:

@@ -13,6 +13,13 @@ this changes fairseq's output on purpose: hypotheses no longer repeat n-grams, a
 ``--no-repeat-ngram-size`` promises. Like upstream it writes into ``lprobs`` in place and returns
 it (fairseq's own contract: "expected to be updated in place"). Token ids outside ``[0, V)`` (which
 fairseq's dictionary cannot produce) are never banned.
+
+n = 1 is the one place where the CUDA kernel's semantics are not kept. Position 0 of fairseq's buffer
+holds the start token (EOS, or ``bos_token``), which the model did not generate; the kernel counts it
+as a 1-gram and bans it, so EOS is ``-inf`` at every step, no hypothesis can finish and
+``SequenceGenerator`` fails ``assert step < max_len`` (on a GPU with fairseq's extension too). Here
+n = 1 bans the tokens at positions ``1 .. step`` (every generated or forced-prefix token, each once);
+for n >= 2 the start token only ever appears as context of a window, exactly as in the kernel.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ def make_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         if problem is not None:
             fallback(FEATURE, f"NGramRepeatBlock: {problem}")
             return original(self, tokens, lprobs, bsz, beam_size, step)
+        if n == 1:  # the start token at position 0 is not a generated token (module docstring)
+            return ban_repeated_ngrams(tokens[:, 1:], lprobs, 1, length=step)
         return ban_repeated_ngrams(tokens, lprobs, n, length=step + 1)
 
     return forward
