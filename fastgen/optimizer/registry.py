@@ -99,6 +99,11 @@ def declared_patches() -> list[Patch]:
     return [*hf_patches, *fairseq_patches]
 
 
+#: features applied only when named (``enable([...])`` / ``FASTGEN_FEATURES``), never by default:
+#: unfinished work that must not change what a plain ``import fastgen`` runs.
+OPT_IN_FEATURES = frozenset({"beam"})
+
+
 def known_features() -> list[str]:
     """Feature names, in declaration order."""
     return list(dict.fromkeys(p.feature for p in declared_patches()))
@@ -286,7 +291,8 @@ def _features_from_env() -> list[str] | None:
 def enable(features: Iterable[str] | None = None) -> None:
     """Apply the declared patches (all, or only the named features).
 
-    ``features=None`` honours ``FASTGEN_FEATURES=a,b``, else enables everything; ``features=[]``
+    ``features=None`` honours ``FASTGEN_FEATURES=a,b``, else enables everything but
+    ``OPT_IN_FEATURES``; ``features=[]``
     enables none (fastgen stays importable and ``status()`` lists every patch as not selected).
     Patches of a module not imported yet are applied when it is imported. Calling again re-selects.
     """
@@ -297,7 +303,7 @@ def enable(features: Iterable[str] | None = None) -> None:
         raise ValueError(f"unknown fastgen feature(s) {sorted(unknown)}; known: {known}")
     with _lock:
         disable()
-        _state.enabled_features = set(known if wanted is None else wanted)
+        _state.enabled_features = set(known) - OPT_IN_FEATURES if wanted is None else set(wanted)
         for patch in _selected(declared_patches()):
             problem = version_problem(patch)
             if problem:

@@ -1,0 +1,338 @@
+"""fastgen's own ``GenerationMixin._beam_search`` (feature ``beam``, opt-in while unfinished).
+
+What changes against HF 5.23's loop, and why the outputs stay token-identical:
+- Steps b–c (normalise, process, add the running scores, top-k over M·V) run as one
+  :mod:`fastgen.ops.beam_topk` step on one N×V buffer: no float32 copy of the logits, no copy per
+  logits processor, no N×V temporary for the add. On CPU these are upstream's own ops in upstream's
+  order (bit-identical values, ``torch.topk`` itself picks), so every later step sees equal inputs.
+- The supported processors are mask-type and applied in place on that buffer, in list order: no-repeat
+  n-grams through :func:`fastgen.ops.ngram.ban_repeated_ngrams`, min length / min new tokens (an EOS
+  ban), suppressed tokens (also at the beginning), forced BOS / EOS.
+- Steps d–g (stopping criteria, running and finished beams, early-stop heuristic, cache reorder)
+  call upstream's own helpers, so their semantics are upstream's by construction.
+
+Anything else goes to the original ``_beam_search`` for the whole call, with one warning naming
+the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_logits`` /
+``output_attentions`` / ``output_hidden_states``, any other logits processor (value-changing ones,
+custom ones, bad words, encoder n-grams, ...) or stopping criterion.
+
+Not done yet (issue 8, deliverable 2): finished inputs stay in the batch (see
+:func:`batch_select_support`), the gathers still copy whole ``max_length`` buffers, and the stop
+check syncs every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.generation.logits_process import (
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import (
+    ALL_CACHE_NAMES,
+    GenerateBeamDecoderOnlyOutput,
+    GenerateBeamEncoderDecoderOutput,
+)
+
+from fastgen.ops.beam_topk import log_probs_top_k
+from fastgen.ops.ngram import ban_repeated_ngrams
+from fastgen.optimizer.registry import fallback
+
+FEATURE = "beam"
+_PROCESSORS = (
+    NoRepeatNGramLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+)
+_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
+
+
+def unsupported_reason(generation_config: Any, logits_processor: Any, stopping_criteria: Any, synced_gpus: bool):
+    """Why this call must run upstream's loop, naming the argument; None when fastgen's loop serves it."""
+    if synced_gpus:
+        return "synced_gpus=True"
+    if generation_config.do_sample:
+        return "do_sample=True (sampled beam search)"
+    if getattr(generation_config, "low_memory", None):
+        return "low_memory=True"
+    for flag in ("output_logits", "output_attentions", "output_hidden_states"):
+        if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
+            return f"{flag}=True"
+    for processor in logits_processor or ():
+        if type(processor) not in _PROCESSORS:  # exact types: a subclass may change values
+            return f"logits processor {type(processor).__name__}"
+    for criterion in stopping_criteria or ():
+        if type(criterion) not in _CRITERIA:
+            return f"stopping criterion {type(criterion).__name__}"
+    return None
+
+
+def _apply_processors(processors: Any, sequences: torch.Tensor, log_probs: torch.Tensor) -> None:
+    """The supported processors, in list order, in place on the loop's own buffer.
+
+    Each one writes what upstream's returns (``-inf`` bans; a forced step: ``-inf`` everywhere and 0
+    at the forced ids), under upstream's condition on the current length.
+    """
+    length = sequences.shape[-1]
+    for processor in processors:
+        kind = type(processor)
+        if kind is NoRepeatNGramLogitsProcessor:
+            ban_repeated_ngrams(sequences, log_probs, processor.ngram_size)
+        elif kind is MinLengthLogitsProcessor:
+            if length < processor.min_length:
+                _ban_ids(log_probs, processor.eos_token_id)
+        elif kind is MinNewTokensLengthLogitsProcessor:
+            if length - processor.prompt_length_to_skip < processor.min_new_tokens:
+                _ban_ids(log_probs, processor.eos_token_id)
+        elif kind is ForcedBOSTokenLogitsProcessor:
+            if length == 1:
+                log_probs.fill_(float("-inf"))
+                log_probs[:, processor.bos_token_id] = 0
+        elif kind is ForcedEOSTokenLogitsProcessor:
+            if length == processor.max_length - 1:
+                log_probs.fill_(float("-inf"))
+                log_probs[:, processor.eos_token_id] = 0
+        elif kind is SuppressTokensLogitsProcessor:
+            _ban_ids(log_probs, processor.suppress_tokens)
+        elif kind is SuppressTokensAtBeginLogitsProcessor and length == processor.begin_index:
+            _ban_ids(log_probs, processor.begin_suppress_tokens)
+
+
+def _ban_ids(log_probs: torch.Tensor, ids: Any) -> None:
+    ids = torch.as_tensor(ids, device=log_probs.device).reshape(-1).long()
+    ids = ids[(ids >= 0) & (ids < log_probs.shape[-1])]  # upstream's isin over arange(V) ignores the rest
+    log_probs.index_fill_(1, ids, float("-inf"))
+
+
+def batch_select_support(cache: Any) -> str | None:
+    """Why ``cache`` cannot drop finished inputs through the generic Cache API, or None if it can.
+
+    Finished-input removal needs ``batch_select_indices`` on the cache and on every layer (HF's
+    ``DynamicCache`` / ``EncoderDecoderCache`` have it); fastgen's dedup caches must provide it too.
+    """
+    if cache is None:
+        return None
+    if not callable(getattr(cache, "batch_select_indices", None)):
+        return f"{type(cache).__name__} has no batch_select_indices"
+    for attr in ("self_attention_cache", "cross_attention_cache"):
+        inner = getattr(cache, attr, None)
+        if inner is not None:
+            reason = batch_select_support(inner)
+            if reason is not None:
+                return reason
+    for layer in getattr(cache, "layers", ()) or ():
+        if not callable(getattr(layer, "batch_select_indices", None)):
+            return f"{type(cache).__name__} layer {type(layer).__name__} has no batch_select_indices"
+    return None
+
+
+def make_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
+    def beam_search(
+        self,
+        input_ids: torch.LongTensor,
+        logits_processor: Any,
+        stopping_criteria: Any,
+        generation_config: Any,
+        synced_gpus: bool = False,
+        **model_kwargs: Any,
+    ) -> Any:
+        reason = unsupported_reason(generation_config, logits_processor, stopping_criteria, synced_gpus)
+        if reason is not None:
+            fallback(FEATURE, reason)
+            return original(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **model_kwargs
+            )
+        return _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+    return beam_search
+
+
+def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+    """HF 5.23 ``_beam_search`` with steps b–c replaced (module doc); comments name upstream's steps."""
+    pad_token_id = generation_config._pad_token_tensor
+    eos_token_id = generation_config._eos_token_tensor
+    return_dict_in_generate = generation_config.return_dict_in_generate
+    output_scores = generation_config.output_scores
+    early_stopping = generation_config.early_stopping
+    length_penalty = generation_config.length_penalty
+    max_length = generation_config.max_length
+    num_beams = generation_config.num_beams
+    num_return_sequences = generation_config.num_return_sequences
+
+    batch_size_unflattened, cur_len = input_ids.shape[:2]
+    batch_size = batch_size_unflattened // num_beams
+    decoder_prompt_len = cur_len
+    n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
+    beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
+    top_num_beam_mask = torch.cat(
+        (torch.ones((num_beams), dtype=torch.bool), torch.zeros((beams_to_keep - num_beams), dtype=torch.bool)), dim=0
+    ).to(input_ids.device)
+    all_scores = () if (return_dict_in_generate and output_scores) else None
+
+    # 3. running tensors (as upstream)
+    output_fill_value = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1
+    running_sequences = torch.full(
+        (batch_size, num_beams, max_length), fill_value=output_fill_value, dtype=torch.int64, device=input_ids.device
+    )
+    running_sequences[:, :, :cur_len] = self._unflatten_beam_dim(input_ids, batch_size, num_beams)
+    sequences = running_sequences.detach().clone()
+    running_beam_scores = torch.zeros((batch_size, num_beams), dtype=torch.float, device=input_ids.device)
+    running_beam_scores[:, 1:] = -1e9
+    beam_scores = torch.full((batch_size, num_beams), fill_value=-1e9, dtype=torch.float, device=input_ids.device)
+    is_sent_finished = torch.zeros((batch_size, num_beams), dtype=torch.bool, device=input_ids.device)
+    is_early_stop_heuristic_unsatisfied = torch.ones((batch_size, 1), dtype=torch.bool, device=input_ids.device)
+    next_token_hits_stopping_criteria = torch.zeros((batch_size, num_beams), dtype=torch.bool, device=input_ids.device)
+    running_beam_indices = torch.full(
+        (batch_size, num_beams, max_length - cur_len), fill_value=-1, dtype=torch.int32, device=input_ids.device
+    )
+    beam_indices = running_beam_indices.detach().clone()
+
+    flat_running_sequences = input_ids
+    prefill_consumed = False
+    this_peer_finished = False
+    model_outputs = self._prefill(
+        input_ids, generation_config, model_kwargs, is_first_iteration=not generation_config.is_assistant
+    )
+
+    # 4. the loop
+    while self._has_unfinished_sequences(this_peer_finished, False, device=input_ids.device):
+        if prefill_consumed:
+            flat_running_sequences = self._flatten_beam_dim(running_sequences[:, :, :cur_len])
+            next_sequence_length = 1 if model_kwargs["use_cache"] else None
+            model_inputs = self.prepare_inputs_for_generation(
+                flat_running_sequences, next_sequence_length=next_sequence_length, **model_kwargs
+            )
+            model_outputs = self(**model_inputs, return_dict=True)
+        prefill_consumed = True
+        model_kwargs = self._update_model_kwargs_for_generation(
+            model_outputs, model_kwargs, is_encoder_decoder=self.config.is_encoder_decoder
+        )
+
+        # b–c. one buffer: log_softmax (float32, as upstream), bans in place, + scores, top-k over M·V
+        logits = model_outputs.logits[:, -1, :].to(dtype=torch.float32, device=input_ids.device)
+        del model_outputs
+        log_probs = torch.log_softmax(logits, dim=-1)
+        del logits
+        _apply_processors(logits_processor, flat_running_sequences, log_probs)
+        if all_scores is not None:
+            all_scores += (log_probs.clone(),)
+        step = log_probs_top_k(log_probs, running_beam_scores, beams_to_keep)
+        topk_log_probs = step.scores
+        # upstream's _get_top_k_continuations, from the selected (beam, token) pairs
+        topk_running_beam_indices = self._gather_beams(running_beam_indices, step.beams)
+        topk_running_sequences = self._gather_beams(running_sequences, step.beams)
+        topk_running_sequences[:, :, cur_len] = step.tokens
+        batch_offset = torch.arange(batch_size, device=input_ids.device).view(-1, 1) * num_beams
+        topk_running_beam_indices[:, :, cur_len - decoder_prompt_len] = step.beams + batch_offset
+
+        # d–g. upstream's helpers
+        next_token_hits_stopping_criteria = stopping_criteria(
+            self._flatten_beam_dim(topk_running_sequences[:, :, : cur_len + 1]), all_scores
+        )
+        next_token_hits_stopping_criteria = self._unflatten_beam_dim(
+            next_token_hits_stopping_criteria, batch_size, beams_to_keep
+        )
+        running_sequences, running_beam_scores, running_beam_indices = self._get_running_beams_for_next_iteration(
+            topk_log_probs=topk_log_probs,
+            topk_running_sequences=topk_running_sequences,
+            topk_running_beam_indices=topk_running_beam_indices,
+            next_token_hits_stopping_criteria=next_token_hits_stopping_criteria,
+            num_beams=num_beams,
+        )
+        sequences, beam_scores, beam_indices, is_sent_finished = self._update_finished_beams(
+            sequences=sequences,
+            topk_running_sequences=topk_running_sequences,
+            beam_scores=beam_scores,
+            topk_log_probs=topk_log_probs,
+            beam_indices=beam_indices,
+            topk_running_beam_indices=topk_running_beam_indices,
+            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
+            is_sent_finished=is_sent_finished,
+            next_token_hits_stopping_criteria=next_token_hits_stopping_criteria,
+            top_num_beam_mask=top_num_beam_mask,
+            num_beams=num_beams,
+            cur_len=cur_len,
+            decoder_prompt_len=decoder_prompt_len,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        )
+        if any(cache_key in model_kwargs for cache_key in ALL_CACHE_NAMES):
+            cache_key = next(cache_key for cache_key in ALL_CACHE_NAMES if cache_key in model_kwargs)
+            beam_idx = self._flatten_beam_dim(running_beam_indices[..., cur_len - decoder_prompt_len])
+            if hasattr(self, "_reorder_cache"):
+                model_kwargs[cache_key] = self._reorder_cache(model_kwargs[cache_key], beam_idx)
+            elif hasattr(model_kwargs[cache_key], "reorder_cache"):
+                model_kwargs[cache_key].reorder_cache(beam_idx)
+            else:
+                raise ValueError(
+                    f"{self.__class__.__name__} cannot use beam search with a cache currently, as the cache "
+                    "cannot be reordered"
+                )
+        cur_len = cur_len + 1
+        is_early_stop_heuristic_unsatisfied = self._check_early_stop_heuristic(
+            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
+            running_beam_scores=running_beam_scores,
+            beam_scores=beam_scores,
+            is_sent_finished=is_sent_finished,
+            cur_len=cur_len,
+            max_length=max_length,
+            decoder_prompt_len=decoder_prompt_len,
+            early_stopping=early_stopping,
+            length_penalty=length_penalty,
+        )
+        this_peer_finished = not self._beam_search_has_unfinished_sequences(
+            is_early_stop_heuristic_unsatisfied, is_sent_finished, next_token_hits_stopping_criteria, early_stopping
+        )
+
+    # 5. outputs, as upstream
+    sequences = self._flatten_beam_dim(sequences[:, :num_return_sequences, :])
+    beam_scores = self._flatten_beam_dim(beam_scores[:, :num_return_sequences])
+    beam_indices = self._flatten_beam_dim(beam_indices[:, :num_return_sequences, :])
+    max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
+    output_length = decoder_prompt_len + max_generated_length
+    sequences = sequences[:, :output_length]
+    beam_indices = beam_indices[:, :max_generated_length]
+    if not return_dict_in_generate:
+        return sequences
+    if not output_scores:
+        beam_scores = None
+    cache = None
+    if any(cache_key in model_kwargs for cache_key in ALL_CACHE_NAMES):
+        cache = model_kwargs[next(cache_key for cache_key in ALL_CACHE_NAMES if cache_key in model_kwargs)]
+    if self.config.is_encoder_decoder:
+        return GenerateBeamEncoderDecoderOutput(
+            sequences=sequences,
+            sequences_scores=beam_scores,
+            scores=all_scores,
+            logits=None,
+            beam_indices=beam_indices,
+            encoder_attentions=None,  # output_attentions / output_hidden_states run upstream's loop
+            encoder_hidden_states=None,
+            decoder_attentions=None,
+            cross_attentions=None,
+            decoder_hidden_states=None,
+            past_key_values=cache,
+        )
+    return GenerateBeamDecoderOnlyOutput(
+        sequences=sequences,
+        sequences_scores=beam_scores,
+        scores=all_scores,
+        logits=None,
+        beam_indices=beam_indices,
+        attentions=None,
+        hidden_states=None,
+        past_key_values=cache,
+    )

@@ -1,0 +1,142 @@
+"""fastgen's beam search loop (feature ``beam``, opt-in) against upstream's ``_beam_search``:
+token-identical sequences and scores on every tiny family, batch 3 with padding, inputs finishing
+at different steps; whole-call fallback with one warning naming the argument otherwise."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+import fastgen
+from fastgen.optimizer import registry
+from fastgen.optimizer.transformers import beam_search
+from tests import harness
+
+pytestmark = harness.requires_feature("beam")
+
+#: every default feature plus the opt-in loop
+FEATURES = sorted(set(fastgen.known_features()) - registry.OPT_IN_FEATURES | {"beam"})
+
+#: gain on the EOS row of the LM head: inputs then finish at different steps (asserted below where
+#: the tiny model does so: t5 and gpt2 put too little mass on EOS to spread much).
+EOS_GAIN = {
+    "bart": 2.0,
+    "mbart": 2.0,
+    "marian": 2.0,
+    "pegasus": 2.0,
+    "t5": 3.0,
+    "gpt2": 4.0,
+    "llama": 4.0,
+    "qwen2": 2.0,
+}
+SPREAD = {"bart", "mbart", "marian", "pegasus", "llama", "qwen2"}
+
+CASES: dict[str, dict[str, Any]] = {
+    "lp0.5-early-ret3-norepeat": dict(
+        num_beams=3, num_return_sequences=3, length_penalty=0.5, early_stopping=True, no_repeat_ngram_size=2
+    ),
+    "lp1-noearly-minnew": dict(num_beams=4, length_penalty=1.0, early_stopping=False, min_new_tokens=3),
+    "lp1.5-never-ret2-eoslist": dict(
+        num_beams=3, num_return_sequences=2, length_penalty=1.5, early_stopping="never", eos_token_id=[harness.EOS, 5]
+    ),
+}
+
+
+def eos_model(family: str):
+    model = harness.tiny_hf_model(family)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[harness.EOS] *= EOS_GAIN[family]
+    return model
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, Any]:
+    return {family: eos_model(family) for family in harness.HF_FAMILIES}
+
+
+@pytest.fixture
+def steps(monkeypatch) -> dict[str, int]:
+    """Counts fastgen loop steps (0: the call went to upstream)."""
+    counter = {"n": 0}
+    original = beam_search.log_probs_top_k
+
+    def counting(*args, **kwargs):
+        counter["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(beam_search, "log_probs_top_k", counting)
+    return counter
+
+
+def finish_steps(model, inputs, sequences: torch.Tensor) -> set[int]:
+    """Position of the first EOS in each returned sequence's generated part (-1: none)."""
+    start = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]
+    ends = set()
+    for row in sequences[:, start:]:
+        hits = (row == harness.EOS).nonzero()
+        ends.add(int(hits[0]) if len(hits) else -1)
+    return ends
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("family", list(harness.HF_FAMILIES))
+def test_matches_upstream(models, steps, family, case):
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=3)
+    reference, candidate = harness.assert_same_generation(
+        model, inputs, features=FEATURES, max_new_tokens=14, **CASES[case]
+    )
+    assert steps["n"] > 0, "fastgen's loop did not run"
+    assert torch.equal(reference.beam_indices, candidate.beam_indices)
+    if family in SPREAD and case == "lp0.5-early-ret3-norepeat":  # short-favouring: natural stops show
+        assert len(finish_steps(model, inputs, reference.sequences)) >= 2, "inputs must finish at different steps"
+
+
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_plain_tensor_output(models, steps, family):
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=3)
+    harness.assert_same_generation(
+        model, inputs, features=FEATURES, return_dict_in_generate=False, num_beams=4, max_new_tokens=8
+    )
+    assert steps["n"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        (dict(do_sample=True, top_k=10), "do_sample=True"),
+        (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+        (dict(bad_words_ids=[[7]]), "NoBadWordsLogitsProcessor"),
+        (dict(output_attentions=True), "output_attentions=True"),
+    ],
+)
+def test_unsupported_arguments_run_upstream_with_one_warning(models, steps, caplog, kwargs, named):
+    model = models["bart"]
+    inputs = harness.tiny_inputs(model, batch=3)
+    with caplog.at_level(logging.WARNING, logger="fastgen"):
+        harness.assert_same_generation(model, inputs, features=FEATURES, num_beams=3, max_new_tokens=8, **kwargs)
+    assert steps["n"] == 0
+    assert any(named in r.getMessage() and "falling back" in r.getMessage() for r in caplog.records)
+
+
+def test_opt_in_only():
+    with fastgen.patched():
+        assert not registry.feature_enabled("beam")
+    with fastgen.patched(["beam"]):
+        assert registry.feature_enabled("beam")
+
+
+def test_batch_select_support_of_upstream_caches():
+    """What finished-input removal will need from a cache (fastgen's dedup caches: see the report)."""
+    assert beam_search.batch_select_support(DynamicCache()) is None
+    assert beam_search.batch_select_support(EncoderDecoderCache(DynamicCache(), DynamicCache())) is None
+
+    class NoSelect:
+        pass
+
+    assert "has no batch_select_indices" in beam_search.batch_select_support(NoSelect())
