@@ -131,12 +131,50 @@ def test_opt_in_only():
         assert registry.feature_enabled("beam")
 
 
-def test_batch_select_support_of_upstream_caches():
-    """What finished-input removal will need from a cache (fastgen's dedup caches: see the report)."""
-    assert beam_search.batch_select_support(DynamicCache()) is None
-    assert beam_search.batch_select_support(EncoderDecoderCache(DynamicCache(), DynamicCache())) is None
+def test_removal_needs_plain_caches():
+    """fastgen's dedup caches keep shared rows: finished-input removal needs an input-group select there."""
+    from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
 
-    class NoSelect:
-        pass
+    plain = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    assert beam_search._removal_problem({"past_key_values": plain, "attention_mask": torch.ones(2, 3)}) is None
+    shared = BeamSharedCrossAttentionCache.from_cache(plain)
+    assert "BeamSharedCrossAttentionCache has no input-group select" in beam_search._removal_problem(
+        {"past_key_values": shared}
+    )
+    assert "model kwarg 'pixel_values'" in beam_search._removal_problem({"pixel_values": torch.ones(1)})
 
-    assert "has no batch_select_indices" in beam_search.batch_select_support(NoSelect())
+
+@pytest.fixture
+def dropped(monkeypatch) -> dict[str, int]:
+    """Counts inputs that left the batch early."""
+    counter = {"n": 0}
+    original = beam_search._drop_inputs
+
+    def counting(model_kwargs, keep, batch, beams):
+        counter["n"] += batch - len(keep)
+        return original(model_kwargs, keep, batch, beams)
+
+    monkeypatch.setattr(beam_search, "_drop_inputs", counting)
+    return counter
+
+
+@pytest.mark.parametrize("case", ["lp0.5-early-ret3-norepeat", "lp1-noearly-minnew"])
+@pytest.mark.parametrize("family", list(harness.HF_FAMILIES))
+def test_finished_inputs_leave_the_batch(models, steps, dropped, family, case):
+    """Upstream's plain caches (no dedup): frozen inputs are dropped, results still token-identical."""
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES[case])
+    harness.assert_same_generation(model, inputs, features=["beam"], **kwargs)
+    assert steps["n"] > 0
+    if family != "gpt2" and case.startswith("lp0.5"):  # the tiny gpt2 freezes no input early
+        assert dropped["n"] > 0, "no input left the batch"
+
+
+def test_dedup_caches_keep_every_input(models, dropped):
+    """With dedup's shared caches removal is off (they need an input-group select), outputs still equal."""
+    model = models["bart"]
+    inputs = harness.tiny_inputs(model, batch=5)
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
+    harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
+    assert dropped["n"] == 0

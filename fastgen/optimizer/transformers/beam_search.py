@@ -16,9 +16,13 @@ the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_log
 ``output_attentions`` / ``output_hidden_states``, any other logits processor (value-changing ones,
 custom ones, bad words, encoder n-grams, ...) or stopping criterion.
 
-Not done yet (issue 8, deliverable 2): finished inputs stay in the batch (see
-:func:`batch_select_support`), the gathers still copy whole ``max_length`` buffers, and the stop
-check syncs every step.
+- Finished inputs leave the batch (Amun's shrinking mini-batch) once upstream's own state says their
+  results are frozen; results are written back in input order. Only with upstream's plain
+  ``DynamicCache`` / ``EncoderDecoderCache`` and ``return_dict_in_generate=False`` so far.
+
+Not done yet (issue 8, deliverable 2): removal with fastgen's dedup caches (they need an
+input-group select), the gathers still copy whole ``max_length`` buffers, and the stop check
+syncs every step.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.generation.logits_process import (
     ForcedBOSTokenLogitsProcessor,
     ForcedEOSTokenLogitsProcessor,
@@ -117,26 +122,58 @@ def _ban_ids(log_probs: torch.Tensor, ids: Any) -> None:
     log_probs.index_fill_(1, ids, float("-inf"))
 
 
-def batch_select_support(cache: Any) -> str | None:
-    """Why ``cache`` cannot drop finished inputs through the generic Cache API, or None if it can.
+def _is_plain_dynamic(cache: Any) -> bool:
+    """Upstream's default caches, whose rows are exactly the B·M hypotheses (fastgen's dedup caches are not)."""
+    if type(cache) is EncoderDecoderCache:
+        return _is_plain_dynamic(cache.self_attention_cache) and _is_plain_dynamic(cache.cross_attention_cache)
+    return type(cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in cache.layers)
 
-    Finished-input removal needs ``batch_select_indices`` on the cache and on every layer (HF's
-    ``DynamicCache`` / ``EncoderDecoderCache`` have it); fastgen's dedup caches must provide it too.
-    """
-    if cache is None:
-        return None
-    if not callable(getattr(cache, "batch_select_indices", None)):
-        return f"{type(cache).__name__} has no batch_select_indices"
-    for attr in ("self_attention_cache", "cross_attention_cache"):
-        inner = getattr(cache, attr, None)
-        if inner is not None:
-            reason = batch_select_support(inner)
-            if reason is not None:
-                return reason
-    for layer in getattr(cache, "layers", ()) or ():
-        if not callable(getattr(layer, "batch_select_indices", None)):
-            return f"{type(cache).__name__} layer {type(layer).__name__} has no batch_select_indices"
+
+#: model_kwargs entries the loop knows how to shrink with the batch (tensors of any other key: keep all rows)
+_SELECTABLE = {"attention_mask", "decoder_attention_mask", "encoder_outputs", "position_ids"}
+_IGNORED = {"cache_position", *ALL_CACHE_NAMES}
+
+
+def _removal_problem(model_kwargs: dict[str, Any]) -> str | None:
+    """Why finished inputs cannot leave the batch in this call (None: they can)."""
+    for key, value in model_kwargs.items():
+        if key in _SELECTABLE or key in _IGNORED:
+            continue
+        if isinstance(value, torch.Tensor) or hasattr(value, "keys"):
+            return f"model kwarg {key!r}"
+    cache = next((model_kwargs[key] for key in ALL_CACHE_NAMES if key in model_kwargs), None)
+    if cache is not None and not _is_plain_dynamic(cache):
+        # fastgen's dedup caches keep one row per input for shared K/V; their batch_select_indices
+        # un-shares everything, so they need an input-group select first (reported to the lead).
+        return f"cache {type(cache).__name__} has no input-group select"
     return None
+
+
+def _select_rows(value: Any, hyp_rows: torch.Tensor, input_rows: torch.Tensor, batch: int, beams: int) -> Any:
+    """Keep the surviving inputs' rows: hypothesis-major tensors (B·M rows) or per-input ones (B rows)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() and value.shape[0] == batch * beams:
+            return value.index_select(0, hyp_rows.to(value.device))
+        if value.dim() and value.shape[0] == batch:
+            return value.index_select(0, input_rows.to(value.device))
+        return value
+    if hasattr(value, "keys"):  # ModelOutput (encoder_outputs) or dict
+        for key in list(value.keys()):
+            value[key] = _select_rows(value[key], hyp_rows, input_rows, batch, beams)
+        return value
+    if isinstance(value, tuple):
+        return tuple(_select_rows(v, hyp_rows, input_rows, batch, beams) for v in value)
+    return value
+
+
+def _drop_inputs(model_kwargs: dict[str, Any], keep: torch.Tensor, batch: int, beams: int) -> None:
+    """Shrink model_kwargs and the cache to the inputs in ``keep`` (local indices), in place."""
+    hyp_rows = (keep[:, None] * beams + torch.arange(beams, device=keep.device)).reshape(-1)
+    for key in list(model_kwargs):
+        if key in _SELECTABLE:
+            model_kwargs[key] = _select_rows(model_kwargs[key], hyp_rows, keep, batch, beams)
+        elif key in ALL_CACHE_NAMES and model_kwargs[key] is not None:
+            model_kwargs[key].batch_select_indices(hyp_rows)
 
 
 def make_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -200,6 +237,14 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
     )
     beam_indices = running_beam_indices.detach().clone()
 
+    # Finished inputs leave the batch (their rows of every per-input tensor, model_kwargs and the
+    # cache) once their results cannot change; results are written back in input order at the end.
+    # Off when the caller gets the cache back (return_dict_in_generate: upstream's layout) or when
+    # something in model_kwargs cannot be shrunk.
+    removal = not return_dict_in_generate and _removal_problem(model_kwargs) is None
+    active = torch.arange(batch_size, device=input_ids.device)  # original index of each current input
+    final_sequences, final_scores, final_indices = sequences.clone(), beam_scores.clone(), beam_indices.clone()
+
     flat_running_sequences = input_ids
     prefill_consumed = False
     this_peer_finished = False
@@ -235,7 +280,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         topk_running_beam_indices = self._gather_beams(running_beam_indices, step.beams)
         topk_running_sequences = self._gather_beams(running_sequences, step.beams)
         topk_running_sequences[:, :, cur_len] = step.tokens
-        batch_offset = torch.arange(batch_size, device=input_ids.device).view(-1, 1) * num_beams
+        batch_offset = active.view(-1, 1) * num_beams  # upstream's batch index, whatever left the batch
         topk_running_beam_indices[:, :, cur_len - decoder_prompt_len] = step.beams + batch_offset
 
         # d–g. upstream's helpers
@@ -271,7 +316,11 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         )
         if any(cache_key in model_kwargs for cache_key in ALL_CACHE_NAMES):
             cache_key = next(cache_key for cache_key in ALL_CACHE_NAMES if cache_key in model_kwargs)
-            beam_idx = self._flatten_beam_dim(running_beam_indices[..., cur_len - decoder_prompt_len])
+            beam_idx = running_beam_indices[..., cur_len - decoder_prompt_len]
+            if batch_size < len(final_scores):  # indices carry upstream's batch offsets; the cache is smaller
+                local = torch.arange(batch_size, device=active.device)
+                beam_idx = beam_idx - ((active - local) * num_beams).view(-1, 1).to(beam_idx.dtype)
+            beam_idx = self._flatten_beam_dim(beam_idx)
             if hasattr(self, "_reorder_cache"):
                 model_kwargs[cache_key] = self._reorder_cache(model_kwargs[cache_key], beam_idx)
             elif hasattr(model_kwargs[cache_key], "reorder_cache"):
@@ -296,6 +345,30 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         this_peer_finished = not self._beam_search_has_unfinished_sequences(
             is_early_stop_heuristic_unsatisfied, is_sent_finished, next_token_hits_stopping_criteria, early_stopping
         )
+        if removal and not this_peer_finished:
+            # An input whose heuristic says no improvement (or, with early_stopping=True, whose beams are
+            # all finished) gets -1e9 on every later candidate in _update_finished_beams: it is frozen.
+            done = ~is_early_stop_heuristic_unsatisfied[:, 0]
+            if early_stopping is True:
+                done |= is_sent_finished.all(dim=1)
+            if bool(done.any()):  # the one host sync this adds (CPU: free); TODO: every k steps on GPUs
+                gone, keep = done.nonzero().flatten(), (~done).nonzero().flatten()
+                final_sequences[active[gone]] = sequences[gone]
+                final_scores[active[gone]] = beam_scores[gone]
+                final_indices[active[gone]] = beam_indices[gone]
+                _drop_inputs(model_kwargs, keep, batch_size, num_beams)
+                running_sequences, running_beam_scores = running_sequences[keep], running_beam_scores[keep]
+                running_beam_indices, sequences = running_beam_indices[keep], sequences[keep]
+                beam_scores, beam_indices, is_sent_finished = (
+                    beam_scores[keep],
+                    beam_indices[keep],
+                    is_sent_finished[keep],
+                )
+                is_early_stop_heuristic_unsatisfied = is_early_stop_heuristic_unsatisfied[keep]
+                active, batch_size = active[keep], len(keep)
+
+    final_sequences[active], final_scores[active], final_indices[active] = sequences, beam_scores, beam_indices
+    sequences, beam_scores, beam_indices = final_sequences, final_scores, final_indices
 
     # 5. outputs, as upstream
     sequences = self._flatten_beam_dim(sequences[:, :num_return_sequences, :])
