@@ -8,8 +8,10 @@ What changes against HF 5.23's loop, and why the outputs stay token-identical:
 - The supported processors are mask-type and applied in place on that buffer, in list order: no-repeat
   n-grams through :func:`fastgen.ops.ngram.ban_repeated_ngrams`, min length / min new tokens (an EOS
   ban), suppressed tokens (also at the beginning), forced BOS / EOS.
-- Steps d–g (stopping criteria, running and finished beams, early-stop heuristic, cache reorder)
-  call upstream's own helpers, so their semantics are upstream's by construction.
+- Steps c–f (continuations, stopping criteria, running and finished beams) do upstream's arithmetic
+  in upstream's order but gather only the first ``cur_len + 1`` positions of the sequence buffers
+  (past them every row holds the fill value); the early-stop heuristic, the stop check and the
+  cache reorder call upstream's own helpers.
 
 Anything else goes to the original ``_beam_search`` for the whole call, with one warning naming
 the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_logits`` /
@@ -21,8 +23,8 @@ custom ones, bad words, encoder n-grams, ...) or stopping criterion.
   ``DynamicCache`` / ``EncoderDecoderCache`` and ``return_dict_in_generate=False`` so far.
 
 Not done yet (issue 8, deliverable 2): removal with fastgen's dedup caches (they need an
-input-group select), the gathers still copy whole ``max_length`` buffers, and the stop check
-syncs every step.
+input-group select), and the stop check syncs every step (free on CPU; every k steps on GPUs is
+the plan).
 """
 
 from __future__ import annotations
@@ -276,44 +278,46 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
             all_scores += (log_probs.clone(),)
         step = log_probs_top_k(log_probs, running_beam_scores, beams_to_keep)
         topk_log_probs = step.scores
-        # upstream's _get_top_k_continuations, from the selected (beam, token) pairs
-        topk_running_beam_indices = self._gather_beams(running_beam_indices, step.beams)
-        topk_running_sequences = self._gather_beams(running_sequences, step.beams)
-        topk_running_sequences[:, :, cur_len] = step.tokens
+        # c–f on the first cur_len + 1 positions only: past them every row of every buffer still holds
+        # its fill value, so upstream's whole-max_length gathers would move nothing else.
+        length, generated = cur_len + 1, cur_len + 1 - decoder_prompt_len
         batch_offset = active.view(-1, 1) * num_beams  # upstream's batch index, whatever left the batch
-        topk_running_beam_indices[:, :, cur_len - decoder_prompt_len] = step.beams + batch_offset
-
-        # d–g. upstream's helpers
-        next_token_hits_stopping_criteria = stopping_criteria(
-            self._flatten_beam_dim(topk_running_sequences[:, :, : cur_len + 1]), all_scores
+        topk_sequences = torch.cat(
+            (self._gather_beams(running_sequences[:, :, :cur_len], step.beams), step.tokens.unsqueeze(-1)), dim=-1
         )
+        topk_beam_indices = torch.cat(
+            (
+                self._gather_beams(running_beam_indices[:, :, : generated - 1], step.beams),
+                (step.beams + batch_offset).to(running_beam_indices.dtype).unsqueeze(-1),
+            ),
+            dim=-1,
+        )
+        next_token_hits_stopping_criteria = stopping_criteria(self._flatten_beam_dim(topk_sequences), all_scores)
         next_token_hits_stopping_criteria = self._unflatten_beam_dim(
             next_token_hits_stopping_criteria, batch_size, beams_to_keep
         )
-        running_sequences, running_beam_scores, running_beam_indices = self._get_running_beams_for_next_iteration(
-            topk_log_probs=topk_log_probs,
-            topk_running_sequences=topk_running_sequences,
-            topk_running_beam_indices=topk_running_beam_indices,
-            next_token_hits_stopping_criteria=next_token_hits_stopping_criteria,
-            num_beams=num_beams,
-        )
-        sequences, beam_scores, beam_indices, is_sent_finished = self._update_finished_beams(
-            sequences=sequences,
-            topk_running_sequences=topk_running_sequences,
-            beam_scores=beam_scores,
-            topk_log_probs=topk_log_probs,
-            beam_indices=beam_indices,
-            topk_running_beam_indices=topk_running_beam_indices,
-            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
-            is_sent_finished=is_sent_finished,
-            next_token_hits_stopping_criteria=next_token_hits_stopping_criteria,
-            top_num_beam_mask=top_num_beam_mask,
-            num_beams=num_beams,
-            cur_len=cur_len,
-            decoder_prompt_len=decoder_prompt_len,
-            length_penalty=length_penalty,
-            early_stopping=early_stopping,
-        )
+        # e. as _get_running_beams_for_next_iteration
+        topk_running_log_probs = topk_log_probs + next_token_hits_stopping_criteria.to(torch.float32) * -1.0e9
+        next_topk_indices = torch.topk(topk_running_log_probs, k=num_beams)[1]
+        running_sequences[:, :, :length] = self._gather_beams(topk_sequences, next_topk_indices)
+        running_beam_scores = self._gather_beams(topk_running_log_probs, next_topk_indices)
+        running_beam_indices[:, :, :generated] = self._gather_beams(topk_beam_indices, next_topk_indices)
+        # f. as _update_finished_beams, same arithmetic in the same order
+        did_top_num_beams_just_finished = next_token_hits_stopping_criteria & top_num_beam_mask[None, :]
+        candidate_scores = topk_log_probs / (generated**length_penalty)
+        beams_in_batch_are_full = torch.all(is_sent_finished, axis=-1, keepdims=True) & (early_stopping is True)
+        candidate_scores += beams_in_batch_are_full.to(torch.float32) * -1.0e9
+        candidate_scores += (~is_early_stop_heuristic_unsatisfied).to(torch.float32) * -1.0e9
+        candidate_scores += (~did_top_num_beams_just_finished) * -1.0e9
+        merged_scores = torch.cat((beam_scores, candidate_scores), dim=1)
+        topk_merged_indices = torch.topk(merged_scores, k=num_beams)[1]
+        merged_sequences = torch.cat((sequences[:, :, :length], topk_sequences), dim=1)
+        sequences[:, :, :length] = self._gather_beams(merged_sequences, topk_merged_indices)
+        merged_beam_indices = torch.cat((beam_indices[:, :, :generated], topk_beam_indices), dim=1)
+        beam_indices[:, :, :generated] = self._gather_beams(merged_beam_indices, topk_merged_indices)
+        beam_scores = self._gather_beams(merged_scores, topk_merged_indices)
+        merged_is_sent_finished = torch.cat((is_sent_finished, did_top_num_beams_just_finished), dim=1)
+        is_sent_finished = self._gather_beams(merged_is_sent_finished, topk_merged_indices)
         if any(cache_key in model_kwargs for cache_key in ALL_CACHE_NAMES):
             cache_key = next(cache_key for cache_key in ALL_CACHE_NAMES if cache_key in model_kwargs)
             beam_idx = running_beam_indices[..., cur_len - decoder_prompt_len]
