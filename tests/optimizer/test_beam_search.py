@@ -138,8 +138,9 @@ def test_removal_needs_plain_caches():
     plain = EncoderDecoderCache(DynamicCache(), DynamicCache())
     assert beam_search._removal_problem({"past_key_values": plain, "attention_mask": torch.ones(2, 3)}) is None
     shared = BeamSharedCrossAttentionCache.from_cache(plain)
-    assert "BeamSharedCrossAttentionCache has no input-group select" in beam_search._removal_problem(
-        {"past_key_values": shared}
+    assert (
+        "BeamSharedCrossAttentionCache has no input-group select (batch_select_inputs)"
+        in beam_search._removal_problem({"past_key_values": shared})
     )
     assert "model kwarg 'pixel_values'" in beam_search._removal_problem({"pixel_values": torch.ones(1)})
 
@@ -178,3 +179,24 @@ def test_dedup_caches_keep_every_input(models, dropped):
     kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
     harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
     assert dropped["n"] == 0
+
+
+def test_dedup_cache_with_an_input_group_select_lets_inputs_leave(models, steps, dropped, monkeypatch):
+    """The hook the dedup caches need (see INPUT_SELECT), sketched here for the shared cross-attention
+    cache on top of the generic Cache API: hypothesis rows of the self cache, input rows of the cross one."""
+    from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
+
+    def batch_select_inputs(self, keep, beams):
+        hyp_rows = (keep[:, None] * beams + torch.arange(beams, device=keep.device)).reshape(-1)
+        shared = [layer.keys.shape[0] for layer in self.cross_attention_cache.layers if layer.is_initialized]
+        per_input = bool(shared) and shared[0] * beams == self.self_attention_cache.layers[0].keys.shape[0]
+        self.self_attention_cache.batch_select_indices(hyp_rows)
+        self.cross_attention_cache.batch_select_indices(keep if per_input and beams > 1 else hyp_rows)
+
+    monkeypatch.setattr(BeamSharedCrossAttentionCache, "batch_select_inputs", batch_select_inputs, raising=False)
+    for family in harness.ENCODER_DECODER:
+        model = models[family]
+        inputs = harness.tiny_inputs(model, batch=5)
+        kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
+        harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
+    assert steps["n"] > 0 and dropped["n"] > 0

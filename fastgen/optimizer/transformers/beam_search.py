@@ -22,8 +22,8 @@ custom ones, bad words, encoder n-grams, ...) or stopping criterion.
   results are frozen; results are written back in input order. Only with upstream's plain
   ``DynamicCache`` / ``EncoderDecoderCache`` and ``return_dict_in_generate=False`` so far.
 
-Not done yet (issue 8, deliverable 2): removal with fastgen's dedup caches (they need an
-input-group select), and the stop check syncs every step (free on CPU; every k steps on GPUs is
+Not done yet (issue 8, deliverable 2): removal with fastgen's dedup caches (they need the
+:data:`INPUT_SELECT` method), and the stop check syncs every step (free on CPU; every k steps on GPUs is
 the plan).
 """
 
@@ -131,6 +131,12 @@ def _is_plain_dynamic(cache: Any) -> bool:
     return type(cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
+#: the method a cache that is not upstream's plain one provides so that finished inputs can leave the
+#: batch: ``cache.batch_select_inputs(keep, beams)`` keeps inputs ``keep`` (int64 indices into the
+#: current inputs, ascending) with their ``beams`` consecutive hypothesis rows each, in place, and
+#: keeps any per-input sharing (one cross-attention / prompt row per input) intact.
+INPUT_SELECT = "batch_select_inputs"
+
 #: model_kwargs entries the loop knows how to shrink with the batch (tensors of any other key: keep all rows)
 _SELECTABLE = {"attention_mask", "decoder_attention_mask", "encoder_outputs", "position_ids"}
 _IGNORED = {"cache_position", *ALL_CACHE_NAMES}
@@ -144,10 +150,10 @@ def _removal_problem(model_kwargs: dict[str, Any]) -> str | None:
         if isinstance(value, torch.Tensor) or hasattr(value, "keys"):
             return f"model kwarg {key!r}"
     cache = next((model_kwargs[key] for key in ALL_CACHE_NAMES if key in model_kwargs), None)
-    if cache is not None and not _is_plain_dynamic(cache):
+    if cache is not None and not _is_plain_dynamic(cache) and not callable(getattr(cache, INPUT_SELECT, None)):
         # fastgen's dedup caches keep one row per input for shared K/V; their batch_select_indices
-        # un-shares everything, so they need an input-group select first (reported to the lead).
-        return f"cache {type(cache).__name__} has no input-group select"
+        # un-shares everything (per-row copies), so they need the input-group select below.
+        return f"cache {type(cache).__name__} has no input-group select ({INPUT_SELECT})"
     return None
 
 
@@ -175,7 +181,11 @@ def _drop_inputs(model_kwargs: dict[str, Any], keep: torch.Tensor, batch: int, b
         if key in _SELECTABLE:
             model_kwargs[key] = _select_rows(model_kwargs[key], hyp_rows, keep, batch, beams)
         elif key in ALL_CACHE_NAMES and model_kwargs[key] is not None:
-            model_kwargs[key].batch_select_indices(hyp_rows)
+            cache = model_kwargs[key]
+            if _is_plain_dynamic(cache):
+                cache.batch_select_indices(hyp_rows)
+            else:
+                getattr(cache, INPUT_SELECT)(keep, beams)
 
 
 def make_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
