@@ -40,6 +40,14 @@ CASES: dict[str, dict[str, Any]] = {
         num_beams=3, num_return_sequences=3, length_penalty=0.5, early_stopping=True, no_repeat_ngram_size=2
     ),
     "lp1-noearly-minnew": dict(num_beams=4, length_penalty=1.0, early_stopping=False, min_new_tokens=3),
+    "lp1-early-encnorepeat-badwords-suppress-bos": dict(
+        num_beams=3,
+        early_stopping=True,
+        encoder_no_repeat_ngram_size=2,
+        bad_words_ids=[[7], [9]],
+        suppress_tokens=[11],
+        forced_bos_token_id=5,
+    ),
     "lp1.5-never-ret2-eoslist": dict(
         num_beams=3, num_return_sequences=2, length_penalty=1.5, early_stopping="never", eos_token_id=[harness.EOS, 5]
     ),
@@ -111,7 +119,7 @@ def test_plain_tensor_output(models, steps, family):
     [
         (dict(do_sample=True, top_k=10), "do_sample=True"),
         (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
-        (dict(bad_words_ids=[[7]]), "NoBadWordsLogitsProcessor"),
+        (dict(bad_words_ids=[[7, 8]]), "NoBadWordsLogitsProcessor with multi-token bad words"),
         (dict(output_attentions=True), "output_attentions=True"),
     ],
 )
@@ -199,4 +207,15 @@ def test_dedup_cache_with_an_input_group_select_lets_inputs_leave(models, steps,
         inputs = harness.tiny_inputs(model, batch=5)
         kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
         harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
+    assert steps["n"] > 0 and dropped["n"] > 0
+
+
+@pytest.mark.parametrize("family", ["bart", "t5", "llama"])
+def test_encoder_ngrams_follow_the_inputs_that_stay(models, steps, dropped, family):
+    """After inputs leave, each hypothesis is still matched against its own prompt."""
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    case = CASES["lp1-early-encnorepeat-badwords-suppress-bos"]
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **case)
+    harness.assert_same_generation(model, inputs, features=["beam", "ngram"], **kwargs)
     assert steps["n"] > 0 and dropped["n"] > 0

@@ -6,8 +6,10 @@ What changes against HF 5.23's loop, and why the outputs stay token-identical:
   logits processor, no N×V temporary for the add. On CPU these are upstream's own ops in upstream's
   order (bit-identical values, ``torch.topk`` itself picks), so every later step sees equal inputs.
 - The supported processors are mask-type and applied in place on that buffer, in list order: no-repeat
-  n-grams through :func:`fastgen.ops.ngram.ban_repeated_ngrams`, min length / min new tokens (an EOS
-  ban), suppressed tokens (also at the beginning), forced BOS / EOS.
+  n-grams through :func:`fastgen.ops.ngram.ban_repeated_ngrams`, encoder n-grams through
+  :func:`~fastgen.ops.ngram.ban_encoder_ngrams` (needs the ``ngram`` feature's prompt snapshot),
+  min length / min new tokens (an EOS ban), single-token bad words, suppressed tokens (also at the
+  beginning), forced BOS / EOS.
 - Steps c–f (continuations, stopping criteria, running and finished beams) do upstream's arithmetic
   in upstream's order but gather only the first ``cur_len + 1`` positions of the sequence buffers
   (past them every row holds the fill value); the early-stop heuristic, the stop check and the
@@ -16,7 +18,7 @@ What changes against HF 5.23's loop, and why the outputs stay token-identical:
 Anything else goes to the original ``_beam_search`` for the whole call, with one warning naming
 the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_logits`` /
 ``output_attentions`` / ``output_hidden_states``, any other logits processor (value-changing ones,
-custom ones, bad words, encoder n-grams, ...) or stopping criterion.
+custom ones, multi-token bad words, ...) or stopping criterion.
 
 - Finished inputs leave the batch (Amun's shrinking mini-batch) once upstream's own state says their
   results are frozen; results are written back in input order. Only with upstream's plain
@@ -35,10 +37,12 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
     ForcedBOSTokenLogitsProcessor,
     ForcedEOSTokenLogitsProcessor,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
     SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
@@ -51,8 +55,9 @@ from transformers.generation.utils import (
 )
 
 from fastgen.ops.beam_topk import log_probs_top_k
-from fastgen.ops.ngram import ban_repeated_ngrams
+from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
 from fastgen.optimizer.registry import fallback
+from fastgen.optimizer.transformers import ngram as ngram_patches
 
 FEATURE = "beam"
 _PROCESSORS = (
@@ -63,11 +68,35 @@ _PROCESSORS = (
     ForcedEOSTokenLogitsProcessor,
     SuppressTokensLogitsProcessor,
     SuppressTokensAtBeginLogitsProcessor,
+    EncoderNoRepeatNGramLogitsProcessor,
+    NoBadWordsLogitsProcessor,
 )
 _CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
 
 
-def unsupported_reason(generation_config: Any, logits_processor: Any, stopping_criteria: Any, synced_gpus: bool):
+def _processor_problem(processor: Any, vocab: int | None) -> str | None:
+    """Why a supported processor type cannot run in place here (its arguments), or None."""
+    name = type(processor).__name__
+    if type(processor) is NoBadWordsLogitsProcessor:
+        words = list(processor.sequence_bias)
+        if any(len(word) != 1 for word in words):
+            return f"{name} with multi-token bad words"
+        if vocab is None or any(not 0 <= word[0] < vocab for word in words):
+            return f"{name} with ids outside the vocabulary (upstream raises)"
+    if type(processor) is EncoderNoRepeatNGramLogitsProcessor:
+        snapshot = getattr(processor, ngram_patches._SNAPSHOT, None)
+        if snapshot is None:
+            return f"{name} built without fastgen's ngram feature (no prompt snapshot)"
+        if snapshot.ngram_size != processor.ngram_size or snapshot.ids.shape[0] != processor.batch_size:
+            return f"{name} changed after construction"
+        if vocab is None or snapshot.low < 0 or snapshot.high >= vocab:
+            return f"{name} with prompt ids outside the vocabulary (upstream raises or wraps them)"
+    return None
+
+
+def unsupported_reason(
+    generation_config: Any, logits_processor: Any, stopping_criteria: Any, synced_gpus: bool, vocab: int | None = None
+):
     """Why this call must run upstream's loop, naming the argument; None when fastgen's loop serves it."""
     if synced_gpus:
         return "synced_gpus=True"
@@ -81,13 +110,16 @@ def unsupported_reason(generation_config: Any, logits_processor: Any, stopping_c
     for processor in logits_processor or ():
         if type(processor) not in _PROCESSORS:  # exact types: a subclass may change values
             return f"logits processor {type(processor).__name__}"
+        problem = _processor_problem(processor, vocab)
+        if problem is not None:
+            return problem
     for criterion in stopping_criteria or ():
         if type(criterion) not in _CRITERIA:
             return f"stopping criterion {type(criterion).__name__}"
     return None
 
 
-def _apply_processors(processors: Any, sequences: torch.Tensor, log_probs: torch.Tensor) -> None:
+def _apply_processors(processors: Any, sequences: torch.Tensor, log_probs: torch.Tensor, active: torch.Tensor) -> None:
     """The supported processors, in list order, in place on the loop's own buffer.
 
     Each one writes what upstream's returns (``-inf`` bans; a forced step: ``-inf`` everywhere and 0
@@ -114,6 +146,11 @@ def _apply_processors(processors: Any, sequences: torch.Tensor, log_probs: torch
                 log_probs[:, processor.eos_token_id] = 0
         elif kind is SuppressTokensLogitsProcessor:
             _ban_ids(log_probs, processor.suppress_tokens)
+        elif kind is NoBadWordsLogitsProcessor:  # single tokens only (checked): upstream adds a -inf bias
+            _ban_ids(log_probs, [word[0] for word in processor.sequence_bias])
+        elif kind is EncoderNoRepeatNGramLogitsProcessor:  # the prompts of the inputs still in the batch
+            prompts = getattr(processor, ngram_patches._SNAPSHOT).ids.to(log_probs.device)
+            ban_encoder_ngrams(prompts.index_select(0, active), sequences, log_probs, processor.ngram_size)
         elif kind is SuppressTokensAtBeginLogitsProcessor and length == processor.begin_index:
             _ban_ids(log_probs, processor.begin_suppress_tokens)
 
@@ -198,7 +235,9 @@ def make_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
         synced_gpus: bool = False,
         **model_kwargs: Any,
     ) -> Any:
-        reason = unsupported_reason(generation_config, logits_processor, stopping_criteria, synced_gpus)
+        head = self.get_output_embeddings() if hasattr(self, "get_output_embeddings") else None
+        vocab = getattr(head, "out_features", None)
+        reason = unsupported_reason(generation_config, logits_processor, stopping_criteria, synced_gpus, vocab)
         if reason is not None:
             fallback(FEATURE, reason)
             return original(
@@ -283,7 +322,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         del model_outputs
         log_probs = torch.log_softmax(logits, dim=-1)
         del logits
-        _apply_processors(logits_processor, flat_running_sequences, log_probs)
+        _apply_processors(logits_processor, flat_running_sequences, log_probs, active)
         if all_scores is not None:
             all_scores += (log_probs.clone(),)
         step = log_probs_top_k(log_probs, running_beam_scores, beams_to_keep)
