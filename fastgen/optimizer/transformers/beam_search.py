@@ -14,19 +14,22 @@ What changes against HF 5.23's loop, and why the outputs stay token-identical:
   in upstream's order but gather only the first ``cur_len + 1`` positions of the sequence buffers
   (past them every row holds the fill value); the early-stop heuristic, the stop check and the
   cache reorder call upstream's own helpers.
+- Finished inputs leave the batch (Amun's shrinking mini-batch) once upstream's own state says their
+  results are frozen (early-stop heuristic unsatisfiable, or all beams finished with
+  ``early_stopping=True``): their rows of every running tensor, ``model_kwargs`` and the cache go,
+  and results are written back in input order. Needs ``return_dict_in_generate=False`` (the caller
+  would otherwise get a smaller cache back) and upstream's plain ``DynamicCache`` /
+  ``EncoderDecoderCache`` or a cache with the :data:`INPUT_SELECT` method; otherwise every input
+  stays, as upstream.
 
 Anything else goes to the original ``_beam_search`` for the whole call, with one warning naming
 the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_logits`` /
 ``output_attentions`` / ``output_hidden_states``, any other logits processor (value-changing ones,
 custom ones, multi-token bad words, ...) or stopping criterion.
 
-- Finished inputs leave the batch (Amun's shrinking mini-batch) once upstream's own state says their
-  results are frozen; results are written back in input order. Only with upstream's plain
-  ``DynamicCache`` / ``EncoderDecoderCache`` and ``return_dict_in_generate=False`` so far.
-
-Not done yet (issue 8, deliverable 2): removal with fastgen's dedup caches (they need the
-:data:`INPUT_SELECT` method), and the stop check syncs every step (free on CPU; every k steps on GPUs is
-the plan).
+Not done yet (issue 8, deliverable 2): fastgen's dedup caches do not have :data:`INPUT_SELECT` yet,
+so with ``dedup`` on no input leaves; the stop check syncs every step (free on CPU; every k steps
+on GPUs is the plan); the loop is not wired to the GPU kernels (it uses the exact torch path).
 """
 
 from __future__ import annotations
