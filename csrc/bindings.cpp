@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "beam_topk.h"
 #include "ngram.h"
 
 namespace {
@@ -22,7 +23,7 @@ fastgen::ScoreType score_type_of(const at::Tensor& scores) {
     case at::kBFloat16:
       return fastgen::ScoreType::kBFloat16;
     default:
-      TORCH_CHECK(false, "ngram_ban: scores must be float32, float16 or bfloat16, got ", scores.scalar_type());
+      TORCH_CHECK(false, "fastgen: scores/logits must be float32, float16 or bfloat16, got ", scores.scalar_type());
   }
 }
 
@@ -76,6 +77,53 @@ void ngram_ban(const at::Tensor& hay, const at::Tensor& tokens, const std::optio
   TORCH_CHECK(err == cudaSuccess, "ngram_ban: kernel launch failed: ", cudaGetErrorString(err));
 }
 
+// Per (row, chunk) candidates and (max, sum of exp); layouts and semantics in fastgen/ops/beam_topk.py.
+void beam_topk_retrieve(const at::Tensor& logits, const std::optional<at::Tensor>& mask, int64_t k, int64_t chunk,
+                        at::Tensor cand_values, at::Tensor cand_tokens, at::Tensor chunk_max, at::Tensor chunk_sum) {
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2, "beam_topk_retrieve: logits must be a 2-D CUDA tensor");
+  TORCH_CHECK(logits.size(1) <= 1 || logits.stride(1) == 1, "beam_topk_retrieve: logits rows must be contiguous");
+  TORCH_CHECK(k >= 1 && k <= 4096 && chunk >= 1, "beam_topk_retrieve: bad k or chunk");
+  const int64_t rows = logits.size(0);
+  const int64_t vocab = logits.size(1);
+  const int64_t num_chunks = (vocab + chunk - 1) / chunk;
+  for (const at::Tensor* t : {&cand_values, &chunk_max, &chunk_sum}) {
+    TORCH_CHECK(t->device() == logits.device() && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "beam_topk_retrieve: outputs must be contiguous float32 on the logits' device");
+  }
+  TORCH_CHECK(cand_tokens.device() == logits.device() && cand_tokens.scalar_type() == at::kLong &&
+                  cand_tokens.is_contiguous(),
+              "beam_topk_retrieve: cand_tokens must be contiguous int64 on the logits' device");
+  TORCH_CHECK(cand_values.numel() == rows * num_chunks * k && cand_tokens.numel() == rows * num_chunks * k &&
+                  chunk_max.numel() == rows * num_chunks && chunk_sum.numel() == rows * num_chunks,
+              "beam_topk_retrieve: output sizes do not match rows x chunks x k");
+  at::Tensor mask_c;
+  if (mask.has_value()) {
+    mask_c = *mask;
+    TORCH_CHECK(mask_c.device() == logits.device() && mask_c.scalar_type() == at::kByte && mask_c.dim() == 2 &&
+                    mask_c.size(1) == vocab && (mask_c.size(0) == 1 || mask_c.size(0) == rows) &&
+                    mask_c.stride(1) == 1,
+                "beam_topk_retrieve: mask must be uint8 1xV or NxV with contiguous rows");
+  }
+  const c10::cuda::OptionalCUDAGuard guard(logits.device());
+  fastgen::BeamTopkArgs args{};
+  args.logits = logits.data_ptr();
+  args.logits_stride = logits.stride(0);
+  args.logits_type = score_type_of(logits);
+  args.mask = mask.has_value() ? mask_c.data_ptr<uint8_t>() : nullptr;
+  args.mask_stride = mask.has_value() && mask_c.size(0) == rows && rows > 1 ? mask_c.stride(0) : 0;
+  args.rows = rows;
+  args.vocab = vocab;
+  args.k = static_cast<int>(k);
+  args.chunk = static_cast<int>(chunk);
+  args.num_chunks = num_chunks;
+  args.cand_values = cand_values.data_ptr<float>();
+  args.cand_tokens = cand_tokens.data_ptr<int64_t>();
+  args.chunk_max = chunk_max.data_ptr<float>();
+  args.chunk_sum = chunk_sum.data_ptr<float>();
+  const cudaError_t err = fastgen::beam_topk_retrieve_launch(args, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "beam_topk_retrieve: kernel launch failed: ", cudaGetErrorString(err));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -83,6 +131,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ngram_ban", &ngram_ban, "Ban repeated n-grams in place (fastgen.ops.ngram)", py::arg("hay"),
         py::arg("tokens"), py::arg("lengths"), py::arg("length_scalar"), py::arg("scores"), py::arg("n"),
         py::arg("beams"), py::arg("decoder"));
+  m.def("beam_topk_retrieve", &beam_topk_retrieve, "Beam top-k retrieval (fastgen.ops.beam_topk)", py::arg("logits"),
+        py::arg("mask"), py::arg("k"), py::arg("chunk"), py::arg("cand_values"), py::arg("cand_tokens"),
+        py::arg("chunk_max"), py::arg("chunk_sum"));
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
                             std::to_string(TORCH_VERSION_PATCH);
   m.attr("cuda_runtime_version") = fastgen::ngram_cuda_runtime_version();

@@ -16,7 +16,7 @@ import fastgen
 from fastgen.optimizer.registry import declared_patches, installed_version
 
 #: op modules that expose ``available_backends(device) -> {backend: reason or None}``
-OPS = ("fastgen.ops.ngram", "fastgen.ops.attention")
+OPS = ("fastgen.ops.ngram", "fastgen.ops.attention", "fastgen.ops.beam_topk")
 
 
 def report() -> str:

@@ -109,6 +109,11 @@ def declared_patches() -> list[Patch]:
     return [*hf_patches, *fairseq_patches]
 
 
+#: features applied only when named (``enable([...])`` / ``FASTGEN_FEATURES``), never by default:
+#: unfinished work that must not change what a plain ``import fastgen`` runs.
+OPT_IN_FEATURES = frozenset({"beam"})
+
+
 def known_features() -> list[str]:
     """Feature names, in declaration order."""
     return list(dict.fromkeys(p.feature for p in declared_patches()))
@@ -337,7 +342,8 @@ def enable(features: str | Iterable[str] | None = None) -> None:
     """Apply the declared patches (all, or only the named features).
 
     ``features`` is a name, a comma-separated string or a list of names (case and spaces ignored);
-    ``None`` honours ``FASTGEN_FEATURES=a,b``, else enables everything; ``[]`` enables none
+    ``None`` honours ``FASTGEN_FEATURES=a,b``, else enables everything but
+    ``OPT_IN_FEATURES``; ``[]`` enables none
     (fastgen stays importable and ``status()`` lists every patch as not selected). An unknown name
     raises ``ValueError`` (in ``FASTGEN_FEATURES`` it only warns, so a typo never breaks an import).
     Patches of a module not imported yet are applied when it is imported. Calling again re-selects.
@@ -349,7 +355,7 @@ def enable(features: str | Iterable[str] | None = None) -> None:
         raise ValueError(f"unknown fastgen feature(s): {', '.join(unknown)}; known features: {', '.join(known)}")
     with _lock:
         disable()
-        _state.enabled_features = set(known if wanted is None else wanted)
+        _state.enabled_features = set(known) - OPT_IN_FEATURES if wanted is None else set(wanted)
         for patch in _selected(declared_patches()):
             problem = version_problem(patch)
             if problem:

@@ -99,3 +99,17 @@ PATCHES += [
         expects=("self", "input_ids", "scores"),
     ),
 ]
+
+# ---------------------------------------------------------------------------- beam
+# fastgen's own beam search loop (fastgen.optimizer.transformers.beam_search): the fused beam top-k
+# step and in-place bans; opt-in (registry.OPT_IN_FEATURES) until finished inputs leave the batch.
+PATCHES += [
+    Patch(
+        feature="beam",
+        target="transformers.generation.utils:GenerationMixin._beam_search",
+        factory="fastgen.optimizer.transformers.beam_search:make_beam_search",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus"),
+    ),
+]

@@ -1,0 +1,94 @@
+"""Upstream vs the default features vs the default features + the opt-in ``beam`` loop, one process.
+
+    python -m benchmarks.beam_loop --scenario bart-base [--rounds 4] [--out FILE.json]
+
+The three variants run in a rotating order each round after a warm-up. Wall time and this thread's
+CPU time are both recorded: on a shared, loaded machine the wall clock mostly measures waiting for
+a core, the thread CPU time what the code costs. The scenario (benchmarks.scenarios) fixes the
+length (min_new_tokens == max_new_tokens) and returns dicts, so no input leaves the batch here:
+this times the fused step, the in-place bans and the prefix-only gathers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fastgen
+from benchmarks.measure import environment
+from benchmarks.scenarios import SCENARIOS
+
+VARIANTS: dict[str, list[str] | None] = {
+    "upstream": None,
+    "default": sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES),
+    "default+beam": sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES | {"beam"}),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", default="bart-base", choices=[n for n in SCENARIOS if n != "fairseq-transformer"])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    scenario = SCENARIOS[args.scenario]
+    settings = scenario.settings("cpu")
+    call = scenario.prepare("cpu", torch.float32, settings)
+
+    def run(variant: str):
+        features = VARIANTS[variant]
+        scope = fastgen.unpatched() if features is None else fastgen.patched(features)
+        with scope, torch.inference_mode():
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            out = call()
+            return out, time.perf_counter() - start, time.thread_time() - start_cpu
+
+    names = list(VARIANTS)
+    outputs = {name: run(name)[0] for name in names}  # warm-up
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            outputs[name], seconds, cpu_seconds = run(name)
+            wall[name].append(seconds)
+            cpu[name].append(cpu_seconds)
+    medians = {name: statistics.median(wall[name]) for name in names}
+    cpu_medians = {name: statistics.median(cpu[name]) for name in names}
+    report = {
+        "benchmark": "beam_loop",
+        "command": "python -m benchmarks.beam_loop " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "scenario": args.scenario,
+        "settings": settings | {"generate": scenario.generate},
+        "variants": VARIANTS,
+        "environment": environment("cpu"),
+        "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+        "identical_outputs": all(torch.equal(outputs["upstream"].sequences, outputs[n].sequences) for n in names),
+        "wall_seconds": wall,
+        "thread_cpu_seconds": cpu,
+        "speedup_wall": {n: medians["upstream"] / medians[n] for n in names[1:]},
+        "speedup_thread_cpu": {n: cpu_medians["upstream"] / cpu_medians[n] for n in names[1:]},
+    }
+    out = args.out or Path(__file__).resolve().parent / "results" / f"beam_loop-{args.scenario}-cpu.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for name in names:
+        sys.stdout.write(
+            f"{name:>13}: wall median {medians[name]:.3f} s, thread CPU median {cpu_medians[name]:.3f} s\n"
+        )
+    sys.stdout.write(
+        f"speedup wall {report['speedup_wall']}, thread CPU {report['speedup_thread_cpu']}; "
+        f"identical outputs: {report['identical_outputs']}; load {load_start} -> {report['load_average']['end']}\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+"""fastgen's own ``GenerationMixin._beam_search`` (feature ``beam``, opt-in while unfinished).
+
+What changes against HF 5.23's loop, and why the outputs stay token-identical:
+- Steps b–c (normalise, process, add the running scores, top-k over M·V) run as one
+  :mod:`fastgen.ops.beam_topk` step on one N×V buffer: no float32 copy of the logits, no copy per
+  logits processor, no N×V temporary for the add. On CPU these are upstream's own ops in upstream's
+  order (bit-identical values, ``torch.topk`` itself picks), so every later step sees equal inputs.
+- The supported processors are mask-type and applied in place on that buffer, in list order: no-repeat
+  n-grams through :func:`fastgen.ops.ngram.ban_repeated_ngrams`, encoder n-grams through
+  :func:`~fastgen.ops.ngram.ban_encoder_ngrams` (needs the ``ngram`` feature's prompt snapshot),
+  min length / min new tokens (an EOS ban), single-token bad words, suppressed tokens (also at the
+  beginning), forced BOS / EOS.
+- Steps c–f (continuations, stopping criteria, running and finished beams) do upstream's arithmetic
+  in upstream's order but gather only the first ``cur_len + 1`` positions of the sequence buffers
+  (past them every row holds the fill value); the early-stop heuristic, the stop check and the
+  cache reorder call upstream's own helpers.
+- Finished inputs leave the batch (Amun's shrinking mini-batch) once upstream's own state says their
+  results are frozen (early-stop heuristic unsatisfiable, or all beams finished with
+  ``early_stopping=True``): their rows of every running tensor, ``model_kwargs`` and the cache go,
+  and results are written back in input order. Needs ``return_dict_in_generate=False`` (the caller
+  would otherwise get a smaller cache back) and upstream's plain ``DynamicCache`` /
+  ``EncoderDecoderCache`` or a cache with the :data:`INPUT_SELECT` method; otherwise every input
+  stays, as upstream.
+
+Anything else goes to the original ``_beam_search`` for the whole call, with one warning naming
+the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_logits`` /
+``output_attentions`` / ``output_hidden_states``, any other logits processor (value-changing ones,
+custom ones, multi-token bad words, ...) or stopping criterion.
+
+Not done yet (issue 8, deliverable 2): fastgen's dedup caches do not have :data:`INPUT_SELECT` yet,
+so with ``dedup`` on no input leaves; the stop check syncs every step (free on CPU; every k steps
+on GPUs is the plan); the loop is not wired to the GPU kernels (it uses the exact torch path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import (
+    ALL_CACHE_NAMES,
+    GenerateBeamDecoderOnlyOutput,
+    GenerateBeamEncoderDecoderOutput,
+)
+
+from fastgen.ops.beam_topk import log_probs_top_k
+from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
+from fastgen.optimizer.registry import fallback
+from fastgen.optimizer.transformers import ngram as ngram_patches
+
+FEATURE = "beam"
+_PROCESSORS = (
+    NoRepeatNGramLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    EncoderNoRepeatNGramLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+)
+_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
+
+
+def _processor_problem(processor: Any, vocab: int | None) -> str | None:
+    """Why a supported processor type cannot run in place here (its arguments), or None."""
+    name = type(processor).__name__
+    if type(processor) is NoBadWordsLogitsProcessor:
+        words = list(processor.sequence_bias)
+        if any(len(word) != 1 for word in words):
+            return f"{name} with multi-token bad words"
+        if vocab is None or any(not 0 <= word[0] < vocab for word in words):
+            return f"{name} with ids outside the vocabulary (upstream raises)"
+    if type(processor) is EncoderNoRepeatNGramLogitsProcessor:
+        snapshot = getattr(processor, ngram_patches._SNAPSHOT, None)
+        if snapshot is None:
+            return f"{name} built without fastgen's ngram feature (no prompt snapshot)"
+        if snapshot.ngram_size != processor.ngram_size or snapshot.ids.shape[0] != processor.batch_size:
+            return f"{name} changed after construction"
+        if vocab is None or snapshot.low < 0 or snapshot.high >= vocab:
+            return f"{name} with prompt ids outside the vocabulary (upstream raises or wraps them)"
+    return None
+
+
+def unsupported_reason(
+    generation_config: Any, logits_processor: Any, stopping_criteria: Any, synced_gpus: bool, vocab: int | None = None
+):
+    """Why this call must run upstream's loop, naming the argument; None when fastgen's loop serves it."""
+    if synced_gpus:
+        return "synced_gpus=True"
+    if generation_config.do_sample:
+        return "do_sample=True (sampled beam search)"
+    if getattr(generation_config, "low_memory", None):
+        return "low_memory=True"
+    for flag in ("output_logits", "output_attentions", "output_hidden_states"):
+        if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
+            return f"{flag}=True"
+    for processor in logits_processor or ():
+        if type(processor) not in _PROCESSORS:  # exact types: a subclass may change values
+            return f"logits processor {type(processor).__name__}"
+        problem = _processor_problem(processor, vocab)
+        if problem is not None:
+            return problem
+    for criterion in stopping_criteria or ():
+        if type(criterion) not in _CRITERIA:
+            return f"stopping criterion {type(criterion).__name__}"
+    return None
+
+
+def _apply_processors(processors: Any, sequences: torch.Tensor, log_probs: torch.Tensor, active: torch.Tensor) -> None:
+    """The supported processors, in list order, in place on the loop's own buffer.
+
+    Each one writes what upstream's returns (``-inf`` bans; a forced step: ``-inf`` everywhere and 0
+    at the forced ids), under upstream's condition on the current length.
+    """
+    length = sequences.shape[-1]
+    for processor in processors:
+        kind = type(processor)
+        if kind is NoRepeatNGramLogitsProcessor:
+            ban_repeated_ngrams(sequences, log_probs, processor.ngram_size)
+        elif kind is MinLengthLogitsProcessor:
+            if length < processor.min_length:
+                _ban_ids(log_probs, processor.eos_token_id)
+        elif kind is MinNewTokensLengthLogitsProcessor:
+            if length - processor.prompt_length_to_skip < processor.min_new_tokens:
+                _ban_ids(log_probs, processor.eos_token_id)
+        elif kind is ForcedBOSTokenLogitsProcessor:
+            if length == 1:
+                log_probs.fill_(float("-inf"))
+                log_probs[:, processor.bos_token_id] = 0
+        elif kind is ForcedEOSTokenLogitsProcessor:
+            if length == processor.max_length - 1:
+                log_probs.fill_(float("-inf"))
+                log_probs[:, processor.eos_token_id] = 0
+        elif kind is SuppressTokensLogitsProcessor:
+            _ban_ids(log_probs, processor.suppress_tokens)
+        elif kind is NoBadWordsLogitsProcessor:  # single tokens only (checked): upstream adds a -inf bias
+            _ban_ids(log_probs, [word[0] for word in processor.sequence_bias])
+        elif kind is EncoderNoRepeatNGramLogitsProcessor:  # the prompts of the inputs still in the batch
+            prompts = getattr(processor, ngram_patches._SNAPSHOT).ids.to(log_probs.device)
+            ban_encoder_ngrams(prompts.index_select(0, active), sequences, log_probs, processor.ngram_size)
+        elif kind is SuppressTokensAtBeginLogitsProcessor and length == processor.begin_index:
+            _ban_ids(log_probs, processor.begin_suppress_tokens)
+
+
+def _ban_ids(log_probs: torch.Tensor, ids: Any) -> None:
+    ids = torch.as_tensor(ids, device=log_probs.device).reshape(-1).long()
+    ids = ids[(ids >= 0) & (ids < log_probs.shape[-1])]  # upstream's isin over arange(V) ignores the rest
+    log_probs.index_fill_(1, ids, float("-inf"))
+
+
+def _is_plain_dynamic(cache: Any) -> bool:
+    """Upstream's default caches, whose rows are exactly the B·M hypotheses (fastgen's dedup caches are not)."""
+    if type(cache) is EncoderDecoderCache:
+        return _is_plain_dynamic(cache.self_attention_cache) and _is_plain_dynamic(cache.cross_attention_cache)
+    return type(cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+#: the method a cache that is not upstream's plain one provides so that finished inputs can leave the
+#: batch: ``cache.batch_select_inputs(keep, beams)`` keeps inputs ``keep`` (int64 indices into the
+#: current inputs, ascending) with their ``beams`` consecutive hypothesis rows each, in place, and
+#: keeps any per-input sharing (one cross-attention / prompt row per input) intact.
+INPUT_SELECT = "batch_select_inputs"
+
+#: model_kwargs entries the loop knows how to shrink with the batch (tensors of any other key: keep all rows)
+_SELECTABLE = {"attention_mask", "decoder_attention_mask", "encoder_outputs", "position_ids"}
+_IGNORED = {"cache_position", *ALL_CACHE_NAMES}
+
+
+def _removal_problem(model_kwargs: dict[str, Any]) -> str | None:
+    """Why finished inputs cannot leave the batch in this call (None: they can)."""
+    for key, value in model_kwargs.items():
+        if key in _SELECTABLE or key in _IGNORED:
+            continue
+        if isinstance(value, torch.Tensor) or hasattr(value, "keys"):
+            return f"model kwarg {key!r}"
+    cache = next((model_kwargs[key] for key in ALL_CACHE_NAMES if key in model_kwargs), None)
+    if cache is not None and not _is_plain_dynamic(cache) and not callable(getattr(cache, INPUT_SELECT, None)):
+        # fastgen's dedup caches keep one row per input for shared K/V; their batch_select_indices
+        # un-shares everything (per-row copies), so they need the input-group select below.
+        return f"cache {type(cache).__name__} has no input-group select ({INPUT_SELECT})"
+    return None
+
+
+def _select_rows(value: Any, hyp_rows: torch.Tensor, input_rows: torch.Tensor, batch: int, beams: int) -> Any:
+    """Keep the surviving inputs' rows: hypothesis-major tensors (B·M rows) or per-input ones (B rows)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() and value.shape[0] == batch * beams:
+            return value.index_select(0, hyp_rows.to(value.device))
+        if value.dim() and value.shape[0] == batch:
+            return value.index_select(0, input_rows.to(value.device))
+        return value
+    if hasattr(value, "keys"):  # ModelOutput (encoder_outputs) or dict
+        for key in list(value.keys()):
+            value[key] = _select_rows(value[key], hyp_rows, input_rows, batch, beams)
+        return value
+    if isinstance(value, tuple):
+        return tuple(_select_rows(v, hyp_rows, input_rows, batch, beams) for v in value)
+    return value
+
+
+def _drop_inputs(model_kwargs: dict[str, Any], keep: torch.Tensor, batch: int, beams: int) -> None:
+    """Shrink model_kwargs and the cache to the inputs in ``keep`` (local indices), in place."""
+    hyp_rows = (keep[:, None] * beams + torch.arange(beams, device=keep.device)).reshape(-1)
+    for key in list(model_kwargs):
+        if key in _SELECTABLE:
+            model_kwargs[key] = _select_rows(model_kwargs[key], hyp_rows, keep, batch, beams)
+        elif key in ALL_CACHE_NAMES and model_kwargs[key] is not None:
+            cache = model_kwargs[key]
+            if _is_plain_dynamic(cache):
+                cache.batch_select_indices(hyp_rows)
+            else:
+                getattr(cache, INPUT_SELECT)(keep, beams)
+
+
+def make_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
+    def beam_search(
+        self,
+        input_ids: torch.LongTensor,
+        logits_processor: Any,
+        stopping_criteria: Any,
+        generation_config: Any,
+        synced_gpus: bool = False,
+        **model_kwargs: Any,
+    ) -> Any:
+        head = self.get_output_embeddings() if hasattr(self, "get_output_embeddings") else None
+        vocab = getattr(head, "out_features", None)
+        reason = unsupported_reason(generation_config, logits_processor, stopping_criteria, synced_gpus, vocab)
+        if reason is not None:
+            fallback(FEATURE, reason)
+            return original(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **model_kwargs
+            )
+        return _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+    return beam_search
+
+
+def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+    """HF 5.23 ``_beam_search`` with steps b–c replaced (module doc); comments name upstream's steps."""
+    pad_token_id = generation_config._pad_token_tensor
+    eos_token_id = generation_config._eos_token_tensor
+    return_dict_in_generate = generation_config.return_dict_in_generate
+    output_scores = generation_config.output_scores
+    early_stopping = generation_config.early_stopping
+    length_penalty = generation_config.length_penalty
+    max_length = generation_config.max_length
+    num_beams = generation_config.num_beams
+    num_return_sequences = generation_config.num_return_sequences
+
+    batch_size_unflattened, cur_len = input_ids.shape[:2]
+    batch_size = batch_size_unflattened // num_beams
+    decoder_prompt_len = cur_len
+    n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
+    beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
+    top_num_beam_mask = torch.cat(
+        (torch.ones((num_beams), dtype=torch.bool), torch.zeros((beams_to_keep - num_beams), dtype=torch.bool)), dim=0
+    ).to(input_ids.device)
+    all_scores = () if (return_dict_in_generate and output_scores) else None
+
+    # 3. running tensors (as upstream)
+    output_fill_value = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1
+    running_sequences = torch.full(
+        (batch_size, num_beams, max_length), fill_value=output_fill_value, dtype=torch.int64, device=input_ids.device
+    )
+    running_sequences[:, :, :cur_len] = self._unflatten_beam_dim(input_ids, batch_size, num_beams)
+    sequences = running_sequences.detach().clone()
+    running_beam_scores = torch.zeros((batch_size, num_beams), dtype=torch.float, device=input_ids.device)
+    running_beam_scores[:, 1:] = -1e9
+    beam_scores = torch.full((batch_size, num_beams), fill_value=-1e9, dtype=torch.float, device=input_ids.device)
+    is_sent_finished = torch.zeros((batch_size, num_beams), dtype=torch.bool, device=input_ids.device)
+    is_early_stop_heuristic_unsatisfied = torch.ones((batch_size, 1), dtype=torch.bool, device=input_ids.device)
+    next_token_hits_stopping_criteria = torch.zeros((batch_size, num_beams), dtype=torch.bool, device=input_ids.device)
+    running_beam_indices = torch.full(
+        (batch_size, num_beams, max_length - cur_len), fill_value=-1, dtype=torch.int32, device=input_ids.device
+    )
+    beam_indices = running_beam_indices.detach().clone()
+
+    # Finished inputs leave the batch (their rows of every per-input tensor, model_kwargs and the
+    # cache) once their results cannot change; results are written back in input order at the end.
+    # Off when the caller gets the cache back (return_dict_in_generate: upstream's layout) or when
+    # something in model_kwargs cannot be shrunk.
+    removal = not return_dict_in_generate and _removal_problem(model_kwargs) is None
+    active = torch.arange(batch_size, device=input_ids.device)  # original index of each current input
+    final_sequences, final_scores, final_indices = sequences.clone(), beam_scores.clone(), beam_indices.clone()
+
+    flat_running_sequences = input_ids
+    prefill_consumed = False
+    this_peer_finished = False
+    model_outputs = self._prefill(
+        input_ids, generation_config, model_kwargs, is_first_iteration=not generation_config.is_assistant
+    )
+
+    # 4. the loop
+    while self._has_unfinished_sequences(this_peer_finished, False, device=input_ids.device):
+        if prefill_consumed:
+            flat_running_sequences = self._flatten_beam_dim(running_sequences[:, :, :cur_len])
+            next_sequence_length = 1 if model_kwargs["use_cache"] else None
+            model_inputs = self.prepare_inputs_for_generation(
+                flat_running_sequences, next_sequence_length=next_sequence_length, **model_kwargs
+            )
+            model_outputs = self(**model_inputs, return_dict=True)
+        prefill_consumed = True
+        model_kwargs = self._update_model_kwargs_for_generation(
+            model_outputs, model_kwargs, is_encoder_decoder=self.config.is_encoder_decoder
+        )
+
+        # b–c. one buffer: log_softmax (float32, as upstream), bans in place, + scores, top-k over M·V
+        logits = model_outputs.logits[:, -1, :].to(dtype=torch.float32, device=input_ids.device)
+        del model_outputs
+        log_probs = torch.log_softmax(logits, dim=-1)
+        del logits
+        _apply_processors(logits_processor, flat_running_sequences, log_probs, active)
+        if all_scores is not None:
+            all_scores += (log_probs.clone(),)
+        step = log_probs_top_k(log_probs, running_beam_scores, beams_to_keep)
+        topk_log_probs = step.scores
+        # c–f on the first cur_len + 1 positions only: past them every row of every buffer still holds
+        # its fill value, so upstream's whole-max_length gathers would move nothing else.
+        length, generated = cur_len + 1, cur_len + 1 - decoder_prompt_len
+        batch_offset = active.view(-1, 1) * num_beams  # upstream's batch index, whatever left the batch
+        topk_sequences = torch.cat(
+            (self._gather_beams(running_sequences[:, :, :cur_len], step.beams), step.tokens.unsqueeze(-1)), dim=-1
+        )
+        topk_beam_indices = torch.cat(
+            (
+                self._gather_beams(running_beam_indices[:, :, : generated - 1], step.beams),
+                (step.beams + batch_offset).to(running_beam_indices.dtype).unsqueeze(-1),
+            ),
+            dim=-1,
+        )
+        next_token_hits_stopping_criteria = stopping_criteria(self._flatten_beam_dim(topk_sequences), all_scores)
+        next_token_hits_stopping_criteria = self._unflatten_beam_dim(
+            next_token_hits_stopping_criteria, batch_size, beams_to_keep
+        )
+        # e. as _get_running_beams_for_next_iteration
+        topk_running_log_probs = topk_log_probs + next_token_hits_stopping_criteria.to(torch.float32) * -1.0e9
+        next_topk_indices = torch.topk(topk_running_log_probs, k=num_beams)[1]
+        running_sequences[:, :, :length] = self._gather_beams(topk_sequences, next_topk_indices)
+        running_beam_scores = self._gather_beams(topk_running_log_probs, next_topk_indices)
+        running_beam_indices[:, :, :generated] = self._gather_beams(topk_beam_indices, next_topk_indices)
+        # f. as _update_finished_beams, same arithmetic in the same order
+        did_top_num_beams_just_finished = next_token_hits_stopping_criteria & top_num_beam_mask[None, :]
+        candidate_scores = topk_log_probs / (generated**length_penalty)
+        beams_in_batch_are_full = torch.all(is_sent_finished, axis=-1, keepdims=True) & (early_stopping is True)
+        candidate_scores += beams_in_batch_are_full.to(torch.float32) * -1.0e9
+        candidate_scores += (~is_early_stop_heuristic_unsatisfied).to(torch.float32) * -1.0e9
+        candidate_scores += (~did_top_num_beams_just_finished) * -1.0e9
+        merged_scores = torch.cat((beam_scores, candidate_scores), dim=1)
+        topk_merged_indices = torch.topk(merged_scores, k=num_beams)[1]
+        merged_sequences = torch.cat((sequences[:, :, :length], topk_sequences), dim=1)
+        sequences[:, :, :length] = self._gather_beams(merged_sequences, topk_merged_indices)
+        merged_beam_indices = torch.cat((beam_indices[:, :, :generated], topk_beam_indices), dim=1)
+        beam_indices[:, :, :generated] = self._gather_beams(merged_beam_indices, topk_merged_indices)
+        beam_scores = self._gather_beams(merged_scores, topk_merged_indices)
+        merged_is_sent_finished = torch.cat((is_sent_finished, did_top_num_beams_just_finished), dim=1)
+        is_sent_finished = self._gather_beams(merged_is_sent_finished, topk_merged_indices)
+        if any(cache_key in model_kwargs for cache_key in ALL_CACHE_NAMES):
+            cache_key = next(cache_key for cache_key in ALL_CACHE_NAMES if cache_key in model_kwargs)
+            beam_idx = running_beam_indices[..., cur_len - decoder_prompt_len]
+            if batch_size < len(final_scores):  # indices carry upstream's batch offsets; the cache is smaller
+                local = torch.arange(batch_size, device=active.device)
+                beam_idx = beam_idx - ((active - local) * num_beams).view(-1, 1).to(beam_idx.dtype)
+            beam_idx = self._flatten_beam_dim(beam_idx)
+            if hasattr(self, "_reorder_cache"):
+                model_kwargs[cache_key] = self._reorder_cache(model_kwargs[cache_key], beam_idx)
+            elif hasattr(model_kwargs[cache_key], "reorder_cache"):
+                model_kwargs[cache_key].reorder_cache(beam_idx)
+            else:
+                raise ValueError(
+                    f"{self.__class__.__name__} cannot use beam search with a cache currently, as the cache "
+                    "cannot be reordered"
+                )
+        cur_len = cur_len + 1
+        is_early_stop_heuristic_unsatisfied = self._check_early_stop_heuristic(
+            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
+            running_beam_scores=running_beam_scores,
+            beam_scores=beam_scores,
+            is_sent_finished=is_sent_finished,
+            cur_len=cur_len,
+            max_length=max_length,
+            decoder_prompt_len=decoder_prompt_len,
+            early_stopping=early_stopping,
+            length_penalty=length_penalty,
+        )
+        this_peer_finished = not self._beam_search_has_unfinished_sequences(
+            is_early_stop_heuristic_unsatisfied, is_sent_finished, next_token_hits_stopping_criteria, early_stopping
+        )
+        if removal and not this_peer_finished:
+            # An input whose heuristic says no improvement (or, with early_stopping=True, whose beams are
+            # all finished) gets -1e9 on every later candidate in _update_finished_beams: it is frozen.
+            done = ~is_early_stop_heuristic_unsatisfied[:, 0]
+            if early_stopping is True:
+                done |= is_sent_finished.all(dim=1)
+            if bool(done.any()):  # the one host sync this adds (CPU: free); TODO: every k steps on GPUs
+                gone, keep = done.nonzero().flatten(), (~done).nonzero().flatten()
+                final_sequences[active[gone]] = sequences[gone]
+                final_scores[active[gone]] = beam_scores[gone]
+                final_indices[active[gone]] = beam_indices[gone]
+                _drop_inputs(model_kwargs, keep, batch_size, num_beams)
+                running_sequences, running_beam_scores = running_sequences[keep], running_beam_scores[keep]
+                running_beam_indices, sequences = running_beam_indices[keep], sequences[keep]
+                beam_scores, beam_indices, is_sent_finished = (
+                    beam_scores[keep],
+                    beam_indices[keep],
+                    is_sent_finished[keep],
+                )
+                is_early_stop_heuristic_unsatisfied = is_early_stop_heuristic_unsatisfied[keep]
+                active, batch_size = active[keep], len(keep)
+
+    final_sequences[active], final_scores[active], final_indices[active] = sequences, beam_scores, beam_indices
+    sequences, beam_scores, beam_indices = final_sequences, final_scores, final_indices
+
+    # 5. outputs, as upstream
+    sequences = self._flatten_beam_dim(sequences[:, :num_return_sequences, :])
+    beam_scores = self._flatten_beam_dim(beam_scores[:, :num_return_sequences])
+    beam_indices = self._flatten_beam_dim(beam_indices[:, :num_return_sequences, :])
+    max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
+    output_length = decoder_prompt_len + max_generated_length
+    sequences = sequences[:, :output_length]
+    beam_indices = beam_indices[:, :max_generated_length]
+    if not return_dict_in_generate:
+        return sequences
+    if not output_scores:
+        beam_scores = None
+    cache = None
+    if any(cache_key in model_kwargs for cache_key in ALL_CACHE_NAMES):
+        cache = model_kwargs[next(cache_key for cache_key in ALL_CACHE_NAMES if cache_key in model_kwargs)]
+    if self.config.is_encoder_decoder:
+        return GenerateBeamEncoderDecoderOutput(
+            sequences=sequences,
+            sequences_scores=beam_scores,
+            scores=all_scores,
+            logits=None,
+            beam_indices=beam_indices,
+            encoder_attentions=None,  # output_attentions / output_hidden_states run upstream's loop
+            encoder_hidden_states=None,
+            decoder_attentions=None,
+            cross_attentions=None,
+            decoder_hidden_states=None,
+            past_key_values=cache,
+        )
+    return GenerateBeamDecoderOnlyOutput(
+        sequences=sequences,
+        sequences_scores=beam_scores,
+        scores=all_scores,
+        logits=None,
+        beam_indices=beam_indices,
+        attentions=None,
+        hidden_states=None,
+        past_key_values=cache,
+    )

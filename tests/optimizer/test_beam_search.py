@@ -1,0 +1,221 @@
+"""fastgen's beam search loop (feature ``beam``, opt-in) against upstream's ``_beam_search``:
+token-identical sequences and scores on every tiny family, batch 3 with padding, inputs finishing
+at different steps; whole-call fallback with one warning naming the argument otherwise."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+import fastgen
+from fastgen.optimizer import registry
+from fastgen.optimizer.transformers import beam_search
+from tests import harness
+
+pytestmark = harness.requires_feature("beam")
+
+#: every default feature plus the opt-in loop
+FEATURES = sorted(set(fastgen.known_features()) - registry.OPT_IN_FEATURES | {"beam"})
+
+#: gain on the EOS row of the LM head: inputs then finish at different steps (asserted below where
+#: the tiny model does so: t5 and gpt2 put too little mass on EOS to spread much).
+EOS_GAIN = {
+    "bart": 2.0,
+    "mbart": 2.0,
+    "marian": 2.0,
+    "pegasus": 2.0,
+    "t5": 3.0,
+    "gpt2": 4.0,
+    "llama": 4.0,
+    "qwen2": 2.0,
+}
+SPREAD = {"bart", "mbart", "marian", "pegasus", "llama", "qwen2"}
+
+CASES: dict[str, dict[str, Any]] = {
+    "lp0.5-early-ret3-norepeat": dict(
+        num_beams=3, num_return_sequences=3, length_penalty=0.5, early_stopping=True, no_repeat_ngram_size=2
+    ),
+    "lp1-noearly-minnew": dict(num_beams=4, length_penalty=1.0, early_stopping=False, min_new_tokens=3),
+    "lp1-early-encnorepeat-badwords-suppress-bos": dict(
+        num_beams=3,
+        early_stopping=True,
+        encoder_no_repeat_ngram_size=2,
+        bad_words_ids=[[7], [9]],
+        suppress_tokens=[11],
+        forced_bos_token_id=5,
+    ),
+    "lp1.5-never-ret2-eoslist": dict(
+        num_beams=3, num_return_sequences=2, length_penalty=1.5, early_stopping="never", eos_token_id=[harness.EOS, 5]
+    ),
+}
+
+
+def eos_model(family: str):
+    model = harness.tiny_hf_model(family)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[harness.EOS] *= EOS_GAIN[family]
+    return model
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, Any]:
+    return {family: eos_model(family) for family in harness.HF_FAMILIES}
+
+
+@pytest.fixture
+def steps(monkeypatch) -> dict[str, int]:
+    """Counts fastgen loop steps (0: the call went to upstream)."""
+    counter = {"n": 0}
+    original = beam_search.log_probs_top_k
+
+    def counting(*args, **kwargs):
+        counter["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(beam_search, "log_probs_top_k", counting)
+    return counter
+
+
+def finish_steps(model, inputs, sequences: torch.Tensor) -> set[int]:
+    """Position of the first EOS in each returned sequence's generated part (-1: none)."""
+    start = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]
+    ends = set()
+    for row in sequences[:, start:]:
+        hits = (row == harness.EOS).nonzero()
+        ends.add(int(hits[0]) if len(hits) else -1)
+    return ends
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("family", list(harness.HF_FAMILIES))
+def test_matches_upstream(models, steps, family, case):
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=3)
+    reference, candidate = harness.assert_same_generation(
+        model, inputs, features=FEATURES, max_new_tokens=14, **CASES[case]
+    )
+    assert steps["n"] > 0, "fastgen's loop did not run"
+    assert torch.equal(reference.beam_indices, candidate.beam_indices)
+    if family in SPREAD and case == "lp0.5-early-ret3-norepeat":  # short-favouring: natural stops show
+        assert len(finish_steps(model, inputs, reference.sequences)) >= 2, "inputs must finish at different steps"
+
+
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_plain_tensor_output(models, steps, family):
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=3)
+    harness.assert_same_generation(
+        model, inputs, features=FEATURES, return_dict_in_generate=False, num_beams=4, max_new_tokens=8
+    )
+    assert steps["n"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        (dict(do_sample=True, top_k=10), "do_sample=True"),
+        (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+        (dict(bad_words_ids=[[7, 8]]), "NoBadWordsLogitsProcessor with multi-token bad words"),
+        (dict(output_attentions=True), "output_attentions=True"),
+    ],
+)
+def test_unsupported_arguments_run_upstream_with_one_warning(models, steps, caplog, kwargs, named):
+    model = models["bart"]
+    inputs = harness.tiny_inputs(model, batch=3)
+    with caplog.at_level(logging.WARNING, logger="fastgen"):
+        harness.assert_same_generation(model, inputs, features=FEATURES, num_beams=3, max_new_tokens=8, **kwargs)
+    assert steps["n"] == 0
+    assert any(named in r.getMessage() and "falling back" in r.getMessage() for r in caplog.records)
+
+
+def test_opt_in_only():
+    with fastgen.patched():
+        assert not registry.feature_enabled("beam")
+    with fastgen.patched(["beam"]):
+        assert registry.feature_enabled("beam")
+
+
+def test_removal_needs_plain_caches():
+    """fastgen's dedup caches keep shared rows: finished-input removal needs an input-group select there."""
+    from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
+
+    plain = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    assert beam_search._removal_problem({"past_key_values": plain, "attention_mask": torch.ones(2, 3)}) is None
+    shared = BeamSharedCrossAttentionCache.from_cache(plain)
+    assert (
+        "BeamSharedCrossAttentionCache has no input-group select (batch_select_inputs)"
+        in beam_search._removal_problem({"past_key_values": shared})
+    )
+    assert "model kwarg 'pixel_values'" in beam_search._removal_problem({"pixel_values": torch.ones(1)})
+
+
+@pytest.fixture
+def dropped(monkeypatch) -> dict[str, int]:
+    """Counts inputs that left the batch early."""
+    counter = {"n": 0}
+    original = beam_search._drop_inputs
+
+    def counting(model_kwargs, keep, batch, beams):
+        counter["n"] += batch - len(keep)
+        return original(model_kwargs, keep, batch, beams)
+
+    monkeypatch.setattr(beam_search, "_drop_inputs", counting)
+    return counter
+
+
+@pytest.mark.parametrize("case", ["lp0.5-early-ret3-norepeat", "lp1-noearly-minnew"])
+@pytest.mark.parametrize("family", list(harness.HF_FAMILIES))
+def test_finished_inputs_leave_the_batch(models, steps, dropped, family, case):
+    """Upstream's plain caches (no dedup): frozen inputs are dropped, results still token-identical."""
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES[case])
+    harness.assert_same_generation(model, inputs, features=["beam"], **kwargs)
+    assert steps["n"] > 0
+    if family != "gpt2" and case.startswith("lp0.5"):  # the tiny gpt2 freezes no input early
+        assert dropped["n"] > 0, "no input left the batch"
+
+
+def test_dedup_caches_keep_every_input(models, dropped):
+    """With dedup's shared caches removal is off (they need an input-group select), outputs still equal."""
+    model = models["bart"]
+    inputs = harness.tiny_inputs(model, batch=5)
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
+    harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
+    assert dropped["n"] == 0
+
+
+def test_dedup_cache_with_an_input_group_select_lets_inputs_leave(models, steps, dropped, monkeypatch):
+    """The hook the dedup caches need (see INPUT_SELECT), sketched here for the shared cross-attention
+    cache on top of the generic Cache API: hypothesis rows of the self cache, input rows of the cross one."""
+    from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
+
+    def batch_select_inputs(self, keep, beams):
+        hyp_rows = (keep[:, None] * beams + torch.arange(beams, device=keep.device)).reshape(-1)
+        shared = [layer.keys.shape[0] for layer in self.cross_attention_cache.layers if layer.is_initialized]
+        per_input = bool(shared) and shared[0] * beams == self.self_attention_cache.layers[0].keys.shape[0]
+        self.self_attention_cache.batch_select_indices(hyp_rows)
+        self.cross_attention_cache.batch_select_indices(keep if per_input and beams > 1 else hyp_rows)
+
+    monkeypatch.setattr(BeamSharedCrossAttentionCache, "batch_select_inputs", batch_select_inputs, raising=False)
+    for family in harness.ENCODER_DECODER:
+        model = models[family]
+        inputs = harness.tiny_inputs(model, batch=5)
+        kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
+        harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
+    assert steps["n"] > 0 and dropped["n"] > 0
+
+
+@pytest.mark.parametrize("family", ["bart", "t5", "llama"])
+def test_encoder_ngrams_follow_the_inputs_that_stay(models, steps, dropped, family):
+    """After inputs leave, each hypothesis is still matched against its own prompt."""
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    case = CASES["lp1-early-encnorepeat-badwords-suppress-bos"]
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **case)
+    harness.assert_same_generation(model, inputs, features=["beam", "ngram"], **kwargs)
+    assert steps["n"] > 0 and dropped["n"] > 0
