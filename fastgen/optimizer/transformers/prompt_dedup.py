@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from fastgen.models.decoder_only import SharedPrefixCache, shared_prompt_problem
+from fastgen.models.family_checks import shared_prompt_call_problem
 from fastgen.optimizer import registry
 from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem
 
@@ -61,6 +62,7 @@ def _shared_prompt_call_problem(
 ) -> str | None:
     """Why this call keeps upstream's per-hypothesis prompt cache, or None. Asked before the cache exists."""
     problem = shared_prompt_problem(model) or cache_problem(generation_config, model_kwargs, generation_mode)
+    problem = problem or shared_prompt_call_problem(model, generation_config)
     if problem is not None:
         return problem
     if generation_config.prefill_chunk_size is not None:
