@@ -263,6 +263,23 @@ def requires_feature(feature: str, package: str = "transformers") -> pytest.Mark
     return pytest.mark.skipif(reason is not None, reason=str(reason))
 
 
+def record_fallbacks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Collect every fallback reason the dedup hooks report (the warnings themselves are shown once per process)."""
+    from fastgen.optimizer import registry
+    from fastgen.optimizer.transformers import dedup
+
+    reasons: list[str] = []
+    original = registry.fallback
+
+    def record(feature: str, reason: str) -> None:
+        reasons.append(reason)
+        original(feature, reason)
+
+    monkeypatch.setattr(registry, "fallback", record)
+    monkeypatch.setattr(dedup, "fallback", record)
+    return reasons
+
+
 # ------------------------------------------------------------------------------ equivalence
 
 

@@ -32,7 +32,7 @@ NEW_TOKENS = 10
 CASES = harness.DEDUP_CASES
 
 
-#: Whisper generates through its own ``generate`` (features in, no dict outputs on the shared path): test_dedup_whisper.py.
+#: Whisper generates through its own ``generate`` (features in, no dict outputs when shared): test_dedup_whisper.py.
 TEXT_FAMILIES = [family for family in harness.ENCODER_DECODER if family != "whisper"]
 
 
