@@ -399,13 +399,13 @@ SCENARIOS: dict[str, Scenario] = {
                 eos_token_id=2,
             ),
             batch=1,
-            input_len=1024,
+            input_len=512,
             new_tokens=32,
             generate=dict(do_sample=True, num_return_sequences=8, top_k=50),
             cuda=dict(batch=4, input_len=2048, new_tokens=128),
             note=(
                 "Mistral-7B scaled to fit: head_dim 128, GQA 4:1 and sliding window 4096 kept; hidden 4096->1024, "
-                "32->8 layers, 32/8->8/2 heads, FFN 14336->3584; best-of-8 sampling (seeded), 1024-token prompt"
+                "32->8 layers, 32/8->8/2 heads, FFN 14336->3584; best-of-8 sampling (seeded), 512-token prompt"
             ),
         ),
         FairseqScenario(
