@@ -91,11 +91,10 @@ def test_batch_one_beam_search(model: transformers.PreTrainedModel) -> None:
         pytest.param(dict(return_timestamps=True), "return_timestamps", id="timestamps"),
     ],
 )
-def test_dict_outputs_and_timestamps_run_upstream(
-    model: transformers.PreTrainedModel, kwargs: dict, reason: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_dict_outputs_and_timestamps_run_upstream(kwargs: dict, reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whisper indexes a returned cache per row, and timestamp decoding is not verified: upstream, with the reason."""
     reasons = harness.record_fallbacks(monkeypatch)
+    model = harness.tiny_hf_model("whisper")
     model.generation_config.no_timestamps_token_id = 3  # a tiny vocabulary has no real timestamp tokens
     inputs = harness.tiny_inputs(model, batch=BATCH)
     with fastgen.unpatched():
