@@ -23,7 +23,7 @@ key that was not produced by this cache (or was transformed on the way) is never
 one. The attribute references the prefix tensors, not the layer, so it creates no reference cycle.
 
 Safety: a tagged key reaching an attention call the fast path does not support (another
-implementation, dropout, soft-capping, sliding windows, an unknown module) is attended over the
+implementation, dropout, soft-capping outside eager, an unknown module) is attended over the
 materialised per-hypothesis concatenation, i.e. exactly upstream's K/V. A layer whose
 ``attention_ready`` callback says the wrapper is not installed (``fastgen.unpatched()``,
 ``disable()``, a returned cache reused later) folds its prefix back into per-row K/V first and
