@@ -111,3 +111,19 @@ def test_dict_outputs_and_timestamps_run_upstream(kwargs: dict, reason: str, mon
     for ref, new in zip(reference.scores, candidate.scores, strict=True):
         torch.testing.assert_close(new, ref, atol=0, rtol=0)
     assert type(candidate.past_key_values) is EncoderDecoderCache
+
+
+def test_long_form_audio_runs_upstream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More than 30 s of features: Whisper decodes segments with timestamps; every segment call falls back."""
+    reasons = harness.record_fallbacks(monkeypatch)
+    model = harness.tiny_hf_model("whisper")
+    model.generation_config.no_timestamps_token_id = 3
+    frames = 2 * model.config.max_source_positions
+    features = torch.randn(1, model.config.num_mel_bins, 2 * frames + 17, generator=torch.Generator().manual_seed(3))
+    kwargs = dict(return_timestamps=True, num_beams=2, max_new_tokens=6)
+    with fastgen.unpatched():
+        reference = model.generate(input_features=features, **kwargs)
+    with fastgen.patched(["dedup"]):
+        candidate = model.generate(input_features=features, **kwargs)
+    assert torch.equal(reference, candidate)
+    assert reasons and all("return_timestamps" in reason for reason in reasons), reasons
