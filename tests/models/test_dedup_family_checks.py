@@ -162,3 +162,28 @@ def test_decoder_only_families_output_is_not_trivial() -> None:
         generated = out[:, PROMPT:]
         assert len({tuple(row) for row in generated.tolist()}) == BATCH, family
         assert all(len(set(row)) > 2 for row in generated.tolist()), family
+
+
+def test_returned_sliding_window_cache_continues_past_the_window() -> None:
+    """A returned shared cache that replaced sliding layers, fed on past the window without fastgen, matches
+    upstream's sliding cache: it keeps every token, and the window stays in the mask over the full length."""
+    model = harness.tiny_hf_model("mistral", sliding_window=PROMPT + NEW_TOKENS)
+    inputs = harness.tiny_inputs(model, batch=2)
+    kwargs = dict(num_beams=3, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
+    with fastgen.unpatched():
+        upstream = model.generate(**inputs, **kwargs).past_key_values
+    with fastgen.patched(["dedup"]):
+        shared = model.generate(**inputs, **kwargs).past_key_values
+    assert isinstance(shared, SharedPrefixCache)
+    assert {type(layer) for layer in upstream.layers} == {DynamicSlidingWindowLayer}
+    rows = upstream.layers[0].keys.shape[0]
+    generated = torch.ones(rows, upstream.get_seq_length() - PROMPT, dtype=torch.long)
+    mask = torch.cat([inputs["attention_mask"].repeat_interleave(3, 0), generated], dim=-1)
+    for step in range(4):  # the window (20 tokens) is full after the first step
+        mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], dim=-1)
+        feed = dict(input_ids=torch.full((rows, 1), 7 + step), attention_mask=mask)
+        with fastgen.unpatched(), torch.no_grad():
+            expected = model(**feed, past_key_values=upstream).logits
+            logits = model(**feed, past_key_values=shared).logits
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert shared.get_seq_length() == upstream.get_seq_length() == PROMPT + NEW_TOKENS + 3
