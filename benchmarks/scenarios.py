@@ -89,6 +89,8 @@ class Scenario:
         kwargs = dict(self.generate, max_new_tokens=n, min_new_tokens=n, return_dict_in_generate=True)
 
         def run() -> Generation:
+            if kwargs.get("do_sample"):
+                torch.manual_seed(0)  # same random stream for upstream and fastgen: comparable outputs
             out, cache = decoding_cache(model, lambda: model.generate(**inputs, **kwargs))
             return Generation(out.sequences, kv_cache_bytes(cache), fold_seconds(cache))
 
@@ -168,6 +170,39 @@ class FairseqScenario(Scenario):
             "repeats n-grams despite no_repeat_ngram_size. fastgen blocks them as intended (the semantics of "
             "fairseq's CUDA kernel), so the outputs differ on purpose; see rows_with_repeated_ngrams"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class WhisperScenario(Scenario):
+    """Whisper short-form decoding: ``input_len`` is the number of log-mel frames (3000 = 30 s).
+
+    Random features of the real shape (no audio). Whisper's ``generate`` keeps the shared path only
+    without ``return_dict_in_generate`` (it splits a returned cache per row), so the cache whose
+    bytes are reported is taken from the decoder's last forward by a hook.
+    """
+
+    def prepare(self, device: str, dtype: torch.dtype, settings: dict[str, Any]) -> Callable[[], Generation]:
+        config = getattr(transformers, self.config_class)(**self.config)
+        torch.manual_seed(0)
+        model = getattr(transformers, self.model_class)(config).to(device=device, dtype=dtype).eval()
+        generator = torch.Generator().manual_seed(1)
+        frames = settings["input_len"]
+        features = torch.randn(settings["batch"], config.num_mel_bins, frames, generator=generator)
+        features = features.to(device=device, dtype=dtype)
+        n = settings["new_tokens"]
+        kwargs = dict(self.generate, max_new_tokens=n, min_new_tokens=n)
+        last: dict[str, Any] = {}
+
+        def keep_cache(module: Any, args: Any, output: Any) -> None:
+            last["cache"] = output.past_key_values
+
+        model.register_forward_hook(keep_cache)
+
+        def run() -> Generation:
+            sequences = model.generate(input_features=features, **kwargs)
+            return Generation(sequences, kv_cache_bytes(last.pop("cache", None)))
+
+        return run
 
 
 _BART = dict(
@@ -318,6 +353,91 @@ SCENARIOS: dict[str, Scenario] = {
             generate=dict(num_beams=4),
             cuda=dict(batch=16, input_len=1024, new_tokens=128),
             note="Llama-shaped decoder (GQA 16/4 heads, RoPE), 512-token prompt: beam 4",
+        ),
+        WhisperScenario(
+            "whisper-small",
+            "WhisperConfig",
+            "WhisperForConditionalGeneration",
+            dict(
+                vocab_size=51865,
+                num_mel_bins=80,
+                d_model=768,
+                encoder_layers=12,
+                decoder_layers=12,
+                encoder_attention_heads=12,
+                decoder_attention_heads=12,
+                encoder_ffn_dim=3072,
+                decoder_ffn_dim=3072,
+                max_source_positions=1500,
+                max_target_positions=448,
+                pad_token_id=50257,
+                bos_token_id=50257,
+                eos_token_id=50257,
+                decoder_start_token_id=50258,
+                suppress_tokens=None,
+                begin_suppress_tokens=None,
+            ),
+            batch=1,
+            input_len=3000,
+            new_tokens=100,
+            generate=dict(num_beams=5),
+            cuda=dict(batch=16),
+            note="Whisper-small shape, 30 s of log-mel features (3000 frames, 1500 encoder states): beam 5",
+        ),
+        Scenario(
+            "nllb-600m",
+            "M2M100Config",
+            "M2M100ForConditionalGeneration",
+            dict(
+                vocab_size=256206,
+                d_model=1024,
+                encoder_layers=12,
+                decoder_layers=12,
+                encoder_attention_heads=16,
+                decoder_attention_heads=16,
+                encoder_ffn_dim=4096,
+                decoder_ffn_dim=4096,
+                max_position_embeddings=1024,
+                scale_embedding=True,
+                pad_token_id=1,
+                bos_token_id=0,
+                eos_token_id=2,
+                decoder_start_token_id=2,
+            ),
+            batch=4,
+            input_len=64,
+            new_tokens=32,
+            generate=dict(num_beams=4),
+            cuda=dict(batch=32, input_len=128, new_tokens=128),
+            note="NLLB-200-distilled-600M shape (M2M100, 12+12 layers, d=1024, vocab 256206), translation: beam 4",
+        ),
+        Scenario(
+            "mistral-7b-scaled",
+            "MistralConfig",
+            "MistralForCausalLM",
+            dict(
+                vocab_size=32000,
+                hidden_size=1024,
+                intermediate_size=3584,
+                num_hidden_layers=8,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                head_dim=128,
+                max_position_embeddings=32768,
+                sliding_window=4096,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            batch=1,
+            input_len=512,
+            new_tokens=32,
+            generate=dict(do_sample=True, num_return_sequences=8, top_k=50),
+            cuda=dict(batch=4, input_len=2048, new_tokens=128),
+            note=(
+                "Mistral-7B scaled to fit: head_dim 128, GQA 4:1 and sliding window 4096 kept; hidden 4096->1024, "
+                "32->8 layers, 32/8->8/2 heads, FFN 14336->3584; best-of-8 sampling (seeded), 512-token prompt"
+            ),
         ),
         FairseqScenario(
             "fairseq-transformer",

@@ -59,33 +59,33 @@ _COMMON_DECODER = dict(
     initializer_range=0.3,
 )
 
+_T5_LIKE = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_decoder_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=8,
+    relative_attention_max_distance=32,
+    dropout_rate=0.0,
+    pad_token_id=PAD,
+    eos_token_id=EOS,
+    decoder_start_token_id=PAD,
+    initializer_factor=3.0,
+    tie_word_embeddings=False,
+)
+#: Whisper's encoder reads ``num_mel_bins`` x ``2 * max_source_positions`` log-mel frames (30 s for the real 1500).
+WHISPER_MEL_BINS, WHISPER_SOURCE_POSITIONS = 8, 30
+
 #: family -> (config class name, model class name, config kwargs)
 HF_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bart": ("BartConfig", "BartForConditionalGeneration", _COMMON_SEQ2SEQ),
     "mbart": ("MBartConfig", "MBartForConditionalGeneration", _COMMON_SEQ2SEQ),
     "marian": ("MarianConfig", "MarianMTModel", {**_COMMON_SEQ2SEQ, "decoder_start_token_id": PAD}),
     "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", {**_COMMON_SEQ2SEQ, "decoder_start_token_id": PAD}),
-    "t5": (
-        "T5Config",
-        "T5ForConditionalGeneration",
-        dict(
-            vocab_size=VOCAB,
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_decoder_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=32,
-            dropout_rate=0.0,
-            pad_token_id=PAD,
-            eos_token_id=EOS,
-            decoder_start_token_id=PAD,
-            initializer_factor=3.0,
-            tie_word_embeddings=False,
-        ),
-    ),
+    "t5": ("T5Config", "T5ForConditionalGeneration", _T5_LIKE),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
@@ -106,8 +106,75 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     "llama": ("LlamaConfig", "LlamaForCausalLM", _COMMON_DECODER),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _COMMON_DECODER),
+    # ---- issue 11 families
+    "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", _COMMON_SEQ2SEQ),
+    "mt5": ("MT5Config", "MT5ForConditionalGeneration", _T5_LIKE),
+    "umt5": ("UMT5Config", "UMT5ForConditionalGeneration", _T5_LIKE),
+    "whisper": (
+        "WhisperConfig",
+        "WhisperForConditionalGeneration",
+        dict(
+            vocab_size=VOCAB,
+            num_mel_bins=WHISPER_MEL_BINS,
+            max_source_positions=WHISPER_SOURCE_POSITIONS,  # 2x frames in the features (conv stride 2)
+            max_target_positions=64,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+            decoder_start_token_id=BOS,
+            suppress_tokens=None,
+            begin_suppress_tokens=None,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            init_std=0.3,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Mistral's default 4096-token sliding window on every layer: the window never cuts in these tests.
+    "mistral": ("MistralConfig", "MistralForCausalLM", _COMMON_DECODER),
+    # Qwen3 with its optional sliding window on the upper layers: alternating full / sliding layers.
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(_COMMON_DECODER, head_dim=8, use_sliding_window=True, sliding_window=64, max_window_layers=1),
+    ),
+    # Gemma 2: alternating sliding / full layers and attention logit soft-capping (eager). A small cap so
+    # that it bends the tiny model's scores (the real models use 50).
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            _COMMON_DECODER,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=64,
+            attn_logit_softcapping=2.0,
+            tie_word_embeddings=False,  # tied, the tiny Gemma repeats its last prompt token
+        ),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            _COMMON_DECODER,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=False,
+        ),
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_COMMON_DECODER, sliding_window=64)),
 }
-ENCODER_DECODER = ("bart", "mbart", "marian", "pegasus", "t5")
+ENCODER_DECODER = ("bart", "mbart", "marian", "pegasus", "t5", "m2m_100", "mt5", "umt5", "whisper")
 #: ``generate`` settings the dedup tests run: the multi-hypothesis modes fastgen changes, and greedy,
 #: which it must leave alone.
 DEDUP_CASES: dict[str, dict[str, Any]] = {
@@ -118,7 +185,7 @@ DEDUP_CASES: dict[str, dict[str, Any]] = {
     "sample_return_3": dict(do_sample=True, num_return_sequences=3),
     "greedy": dict(),
 }
-DECODER_ONLY = ("gpt2", "llama", "qwen2")
+DECODER_ONLY = ("gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3")
 
 
 def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
@@ -140,6 +207,8 @@ def tiny_inputs(
     Decoder-only models get left padding (what HF expects for generation), encoder-decoder
     models right padding.
     """
+    if model.config.model_type == "whisper":
+        return tiny_log_mel(model.config, batch, seed, padded)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (batch, length), generator=generator)
     mask = torch.ones_like(ids)
@@ -153,6 +222,23 @@ def tiny_inputs(
                     mask[row, :pad] = 0
     ids = ids.masked_fill(mask == 0, PAD)
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def tiny_log_mel(config: Any, batch: int = 2, seed: int = 1, padded: bool = True) -> dict[str, torch.Tensor]:
+    """Random log-mel features of Whisper's shape: ``num_mel_bins`` x ``2 * max_source_positions`` frames.
+
+    Whisper pads every clip to 30 s of features and takes no encoder mask; with ``padded``, row ``i``
+    ends in ``i`` eighths of constant "silence" (the padded floor value), as shorter clips do.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    frames = 2 * config.max_source_positions
+    features = torch.randn(batch, config.num_mel_bins, frames, generator=generator)
+    if padded:
+        for row in range(batch):
+            silence = frames * row // 8
+            if silence:
+                features[row, :, frames - silence :] = -1.5
+    return {"input_features": features}
 
 
 def feature_unavailable(feature: str, package: str = "transformers") -> str | None:
@@ -175,6 +261,23 @@ def requires_feature(feature: str, package: str = "transformers") -> pytest.Mark
     """Skip mark for tests of a feature's mechanism where its patches are not declared for this version."""
     reason = feature_unavailable(feature, package)
     return pytest.mark.skipif(reason is not None, reason=str(reason))
+
+
+def record_fallbacks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Collect every fallback reason the dedup hooks report (the warnings themselves are shown once per process)."""
+    from fastgen.optimizer import registry
+    from fastgen.optimizer.transformers import dedup
+
+    reasons: list[str] = []
+    original = registry.fallback
+
+    def record(feature: str, reason: str) -> None:
+        reasons.append(reason)
+        original(feature, reason)
+
+    monkeypatch.setattr(registry, "fallback", record)
+    monkeypatch.setattr(dedup, "fallback", record)
+    return reasons
 
 
 # ------------------------------------------------------------------------------ equivalence

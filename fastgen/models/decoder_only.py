@@ -23,7 +23,7 @@ key that was not produced by this cache (or was transformed on the way) is never
 one. The attribute references the prefix tensors, not the layer, so it creates no reference cycle.
 
 Safety: a tagged key reaching an attention call the fast path does not support (another
-implementation, dropout, soft-capping, sliding windows, an unknown module) is attended over the
+implementation, dropout, soft-capping outside eager, an unknown module) is attended over the
 materialised per-hypothesis concatenation, i.e. exactly upstream's K/V. A layer whose
 ``attention_ready`` callback says the wrapper is not installed (``fastgen.unpatched()``,
 ``disable()``, a returned cache reused later) folds its prefix back into per-row K/V first and
@@ -38,10 +38,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from fastgen.models._caches import plain_dynamic_cache
 from fastgen.models._families import is_subclass_of_any, unsupported_attention, unsupported_family
+from fastgen.models.family_checks import shared_prompt_family_problem
 from fastgen.ops.attention import prefix_shared_attention
 
 #: ``config.model_type`` -> the self-attention class its layers use. Every entry is verified
@@ -52,6 +53,12 @@ PROMPT_SHARING_FAMILIES: dict[str, str] = {
     "gpt2": "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
     "llama": "transformers.models.llama.modeling_llama.LlamaAttention",
     "qwen2": "transformers.models.qwen2.modeling_qwen2.Qwen2Attention",
+    # Added for issue 11; sliding windows, soft-capping and layer types: fastgen.models.family_checks.
+    "mistral": "transformers.models.mistral.modeling_mistral.MistralAttention",
+    "qwen3": "transformers.models.qwen3.modeling_qwen3.Qwen3Attention",
+    "gemma2": "transformers.models.gemma2.modeling_gemma2.Gemma2Attention",
+    "gemma3_text": "transformers.models.gemma3.modeling_gemma3.Gemma3Attention",
+    "phi3": "transformers.models.phi3.modeling_phi3.Phi3Attention",
 }
 
 #: Attention implementations the fast path replaces (it needs a dense mask, or none).
@@ -87,7 +94,7 @@ def shared_prompt_problem(model: Any) -> str | None:
         return "GPT-2 reorder_and_upcast_attn (its eager path bypasses the attention interface)"
     if getattr(config, "add_cross_attention", False):
         return "a decoder with cross-attention (add_cross_attention)"
-    return None
+    return shared_prompt_family_problem(model)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -230,7 +237,7 @@ class SharedPrefixCache(DynamicCache):
             type(cache) is not DynamicCache
             or cache.offloading
             or not cache.layers
-            or any(type(layer) is not DynamicLayer or layer.is_initialized for layer in cache.layers)
+            or any(type(layer) not in _REPLACEABLE_LAYERS or layer.is_initialized for layer in cache.layers)
         ):
             return None
         return cls(len(cache.layers), hypotheses, group_size, attention_ready)
@@ -246,17 +253,35 @@ class SharedPrefixCache(DynamicCache):
         return total
 
     def to_upstream(self) -> DynamicCache:
-        """Upstream's layout (the prompt repeated per hypothesis) as a plain ``DynamicCache``.
+        """Upstream's layout (the prompt repeated per hypothesis) in upstream's own cache object.
 
         For a cache handed back to the caller, which upstream code must be able to continue from.
+        The per-hypothesis K/V go through the ``update`` of the (still empty) cache ``generate``
+        built, so its layer types (e.g. sliding-window layers) and their counters are upstream's.
         """
-        return plain_dynamic_cache(layer.per_hypothesis() if layer.is_initialized else None for layer in self.layers)
+        target = self.upstream_cache
+        if (
+            target is None
+            or len(target.layers) != len(self.layers)
+            or any(layer.is_initialized for layer in target.layers)
+        ):
+            return plain_dynamic_cache(
+                layer.per_hypothesis() if layer.is_initialized else None for layer in self.layers
+            )
+        for layer, fresh in zip(self.layers, target.layers, strict=True):
+            if layer.is_initialized:
+                fresh.update(*layer.per_hypothesis())
+        return target
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None, None]]:
         """Per-hypothesis K/V as ``DynamicCache`` yields them (the prefix repeated, not stored)."""
         for layer in self.layers:
             yield (*layer.per_hypothesis(), None)
 
+
+#: Empty layers :meth:`SharedPrefixCache.from_cache` replaces. A sliding-window layer is replaced only for
+#: calls whose whole sequence fits in the window (``shared_prompt_call_problem``): it then keeps every token.
+_REPLACEABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -274,11 +299,11 @@ def _fast_path_problem(
         return f"attention module {type(module).__name__} is not in the shared-prompt family table"
     if kwargs.get("dropout", 0.0):
         return "attention dropout (training mode)"
-    for name in ("softcap", "position_bias", "s_aux", "sinks"):
+    for name in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             return f"attention argument {name!r}"
-    if kwargs.get("sliding_window") is not None:
-        return "sliding-window attention"
+    # ``sliding_window`` needs nothing: sdpa and eager ignore it (the window is in the mask, built over the
+    # cached length), and calls whose window would cut into the cache are refused before the cache exists.
     if value is not prefix.suffix_values:
         return "the value tensor is not the one the cache returned with the key"
     if query.shape[0] % prefix.keys.shape[0] or query.shape[1] % prefix.keys.shape[1]:
@@ -288,6 +313,13 @@ def _fast_path_problem(
         not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4 or attention_mask.shape[-1] != total
     ):
         return "the attention mask is not a dense 4-D mask over the cached length"
+    return None
+
+
+def _softcap_problem(implementation: str | None, softcap: float | None) -> str | None:
+    """Soft-capping (Gemma 2) is exact as eager attention applies it; sdpa refuses it upstream (so here too)."""
+    if softcap is not None and implementation != "eager":
+        return f"attention argument 'softcap' with implementation {implementation!r}"
     return None
 
 
@@ -327,6 +359,7 @@ def prefix_attention(
         problem = None if fast else f"attention implementation {implementation!r}"
         problem = problem or ("positional arguments after the mask" if args else None)
         problem = problem or _fast_path_problem(module, query, key, value, attention_mask, prefix, kwargs)
+        problem = problem or _softcap_problem(implementation, kwargs.get("softcap"))
         if problem is not None:
             if on_fallback is not None:
                 on_fallback(problem)
@@ -345,6 +378,7 @@ def prefix_attention(
             value,
             attention_mask,
             scale=kwargs.get("scaling"),
+            softcap=kwargs.get("softcap"),
             return_weights=implementation == "eager",
         )
         return out.transpose(1, 2), weights

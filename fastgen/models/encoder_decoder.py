@@ -46,6 +46,11 @@ CROSS_ATTENTION_FAMILIES: dict[str, str] = {
     "marian": "transformers.models.marian.modeling_marian.MarianAttention",
     "pegasus": "transformers.models.pegasus.modeling_pegasus.PegasusAttention",
     "t5": "transformers.models.t5.modeling_t5.T5Attention",
+    # Added for issue 11; UMT5 and Whisper get their cross K/V primed (fastgen.models.family_checks).
+    "m2m_100": "transformers.models.m2m_100.modeling_m2m_100.M2M100Attention",
+    "mt5": "transformers.models.mt5.modeling_mt5.MT5Attention",
+    "umt5": "transformers.models.umt5.modeling_umt5.UMT5Attention",
+    "whisper": "transformers.models.whisper.modeling_whisper.WhisperAttention",
 }
 
 #: Attention implementations whose functions accept grouped queries unchanged (dense 4-D masks).

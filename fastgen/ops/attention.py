@@ -291,6 +291,7 @@ def prefix_shared_attention(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
     return_weights: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``B*G`` hypotheses over a prefix shared per input followed by their own suffix.
 
@@ -312,6 +313,8 @@ def prefix_shared_attention(
             masks do (a fully masked row becomes uniform rather than NaN).
         scale: score scale, default ``D ** -0.5``; applied after the product, as eager attention does.
         return_weights: also return the attention probabilities ``(B*G, H, q, P+T)``.
+        softcap: logit soft-capping (Gemma 2): scaled scores become ``softcap * tanh(scores / softcap)``
+            before the mask, as Transformers' eager attention does.
 
     Returns:
         ``out`` ``(B*G, H, q, Dv)`` in the query dtype (softmax in float32), and the weights or None.
@@ -321,7 +324,11 @@ def prefix_shared_attention(
     if rows % batch or heads % kv_heads or tuple(suffix_key.shape[:2]) != (rows, kv_heads):
         shapes = f"query {tuple(query.shape)}, prefix {tuple(prefix_key.shape)}, suffix {tuple(suffix_key.shape)}"
         raise ValueError(f"shapes do not fit: {shapes}")
-    if not return_weights and _merge_with_kernel(query, prefix_key, prefix_value, attn_mask, prefix_len):
+    if (
+        not return_weights
+        and softcap is None
+        and _merge_with_kernel(query, prefix_key, prefix_value, attn_mask, prefix_len)
+    ):
         return _prefix_shared_attention_merged(
             query, prefix_key, prefix_value, suffix_key, suffix_value, attn_mask, scale
         ), None
@@ -341,6 +348,8 @@ def prefix_shared_attention(
     prefix_scores = from_prefix_layout(torch.matmul(to_prefix_layout(query), prefix_key.transpose(-1, -2)))
     suffix_scores = torch.matmul(per_kv_head, suffix_key.transpose(-1, -2)).reshape(rows, heads, q_len, suffix_len)
     scores = torch.cat([prefix_scores, suffix_scores], dim=-1) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)

@@ -48,6 +48,7 @@ from fastgen.models.encoder_decoder import (
     is_plain_dynamic_encoder_decoder_cache,
     shared_cross_attention_problem,
 )
+from fastgen.models.family_checks import cross_attention_call_problem, prime_cross_attention_cache
 from fastgen.optimizer import registry, report
 from fastgen.optimizer.registry import fallback
 from fastgen.optimizer.transformers.prompt_dedup import note_attention_fallback, prepare_decoder_only_cache
@@ -150,6 +151,7 @@ def make_prepare_cache(original: Callable[..., Any]) -> Callable[..., Any]:
         if group == 1:
             return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         problem = cache_problem(generation_config, model_kwargs, generation_mode)
+        problem = problem or cross_attention_call_problem(self, generation_config)
         if problem is not None:
             fallback(FEATURE, problem)
             expand_shared_inputs(model_kwargs, group)
@@ -161,6 +163,7 @@ def make_prepare_cache(original: Callable[..., Any]) -> Callable[..., Any]:
             model_kwargs["past_key_values"] = shared
             report.note_ran(FEATURE, f"cross-attention K/V shared by {group} hypotheses per input")
             report.note_cache(shared.bytes_saved)
+            prime_cross_attention_cache(self, shared, model_kwargs)
         else:
             # Not a cache we know how to wrap; it is still empty, so upstream shapes are safe.
             fallback(FEATURE, f"cache type {type(cache).__name__}")

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from fastgen.models.decoder_only import SharedPrefixCache, shared_prompt_problem
+from fastgen.models.family_checks import shared_prompt_call_problem
 from fastgen.optimizer import registry, report
 from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem, model_problem
 
@@ -65,6 +66,7 @@ def _shared_prompt_call_problem(
         or model_problem(model)
         or cache_problem(generation_config, model_kwargs, generation_mode)
     )
+    problem = problem or shared_prompt_call_problem(model, generation_config)
     if problem is not None:
         return problem
     if generation_config.prefill_chunk_size is not None:
