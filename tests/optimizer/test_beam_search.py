@@ -63,7 +63,7 @@ def eos_model(family: str):
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, Any]:
-    return {family: eos_model(family) for family in harness.HF_FAMILIES}
+    return {family: eos_model(family) for family in EOS_GAIN}
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def finish_steps(model, inputs, sequences: torch.Tensor) -> set[int]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("family", list(harness.HF_FAMILIES))
+@pytest.mark.parametrize("family", list(EOS_GAIN))
 def test_matches_upstream(models, steps, family, case):
     model = models[family]
     inputs = harness.tiny_inputs(model, batch=3)
@@ -168,7 +168,7 @@ def dropped(monkeypatch) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("case", ["lp0.5-early-ret3-norepeat", "lp1-noearly-minnew"])
-@pytest.mark.parametrize("family", list(harness.HF_FAMILIES))
+@pytest.mark.parametrize("family", list(EOS_GAIN))
 def test_finished_inputs_leave_the_batch(models, steps, dropped, family, case):
     """Upstream's plain caches (no dedup): frozen inputs are dropped, results still token-identical."""
     model = models[family]
