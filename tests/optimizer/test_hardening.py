@@ -27,7 +27,8 @@ pytestmark = harness.requires_feature("dedup")
 def _forward_inputs(model: transformers.PreTrainedModel) -> dict[str, torch.Tensor]:
     inputs = harness.tiny_inputs(model, batch=2)
     if model.config.is_encoder_decoder:
-        inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
+        start = model.generation_config.decoder_start_token_id
+        inputs["decoder_input_ids"] = torch.tensor([[start, 5, 9], [start, 7, 4]])
     return inputs
 
 
