@@ -1,0 +1,178 @@
+"""Train a real draft/target pair for the speculative-decoding benchmark, on CPU, in a few minutes.
+
+    .venv/bin/python scripts/train_spec_pair.py            # cached: a second run only prints the facts
+
+Corpus: the running Python's standard library sources (``Lib/**/*.py``: code and docstrings),
+which every machine with Python has. Tokenizer: bytes (id = byte + 3; 0 pad, 1 bos, 2 eos), so no
+download and no tokenizer training. Both models are GPT-2 configs: a deep, narrow target and a
+one-layer draft, trained on the same byte stream for a fixed number of steps (capped by seconds so
+a loaded machine still finishes). Files whose path hashes into the last 1/20 are held out; the
+benchmark takes its prompts from them. Saved with ``save_pretrained`` under
+``~/.cache/fastgen/spec-pair`` (``FASTGEN_SPEC_PAIR`` overrides) with ``facts.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
+VOCAB = 256 + OFFSET
+CACHE = Path(os.environ.get("FASTGEN_SPEC_PAIR", Path.home() / ".cache" / "fastgen" / "spec-pair"))
+
+#: name -> (GPT2Config kwargs, max training steps, max seconds)
+MODELS = {
+    "target": (dict(n_layer=8, n_embd=128, n_head=4), 600, 300),
+    "draft": (dict(n_layer=1, n_embd=96, n_head=2), 600, 120),
+}
+SEQ_LEN, BATCH = 128, 24
+
+
+def encode(text: str) -> list[int]:
+    return [b + OFFSET for b in text.encode("utf-8")]
+
+
+def decode(ids: list[int]) -> str:
+    return bytes(i - OFFSET for i in ids if i >= OFFSET).decode("utf-8", errors="replace")
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("site-packages", "test", "idlelib", "lib2to3", "__pycache__")
+    return sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
+
+
+def held_out(path: Path) -> bool:
+    return int(hashlib.sha1(path.name.encode()).hexdigest(), 16) % 20 == 0
+
+
+def corpus() -> tuple[torch.Tensor, list[Path], list[Path]]:
+    files = stdlib_files()
+    train = [p for p in files if not held_out(p)]
+    ids: list[int] = []
+    for path in train:
+        ids += encode(path.read_text(encoding="utf-8", errors="replace")) + [EOS]
+    return torch.tensor(ids), train, [p for p in files if held_out(p)]
+
+
+def config(**kwargs: int) -> transformers.GPT2Config:
+    return transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=1024,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **kwargs,
+    )
+
+
+def train(name: str, data: torch.Tensor, seed: int = 0) -> dict:
+    kwargs, max_steps, max_seconds = MODELS[name]
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(config(**kwargs))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    warmup = 30
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, max_steps) / max_steps))
+    )
+    generator = torch.Generator().manual_seed(seed)
+    start, losses, step = time.perf_counter(), [], 0
+    model.train()
+    while step < max_steps and time.perf_counter() - start < max_seconds:
+        offsets = torch.randint(0, len(data) - SEQ_LEN - 1, (BATCH,), generator=generator)
+        batch = torch.stack([data[o : o + SEQ_LEN] for o in offsets.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        step += 1
+        if step % 50 == 0:
+            print(f"{name}: step {step} loss {sum(losses[-50:]) / 50:.3f} ({time.perf_counter() - start:.0f} s)")
+    model.eval()
+    model.generation_config.pad_token_id = PAD
+    model.save_pretrained(CACHE / name)
+    return {
+        "config": kwargs,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "steps": step,
+        "tokens_seen": step * BATCH * SEQ_LEN,
+        "seconds": round(time.perf_counter() - start, 1),
+        "final_loss_nats_per_byte": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+    }
+
+
+def load() -> tuple[transformers.GPT2LMHeadModel, transformers.GPT2LMHeadModel, dict]:
+    """The cached pair (target, draft) and its facts; trains it first when missing."""
+    if not (CACHE / "facts.json").exists():
+        main([])
+    facts = json.loads((CACHE / "facts.json").read_text())
+    target = transformers.GPT2LMHeadModel.from_pretrained(CACHE / "target").eval()
+    draft = transformers.GPT2LMHeadModel.from_pretrained(CACHE / "draft").eval()
+    return target, draft, facts
+
+
+def prompts(count: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    """Byte-token prompts cut from held-out stdlib files (never trained on), lengths in [min_len, max_len]."""
+    _, _, held = corpus_files()
+    generator = torch.Generator().manual_seed(seed)
+    texts = [encode(p.read_text(encoding="utf-8", errors="replace")) for p in held]
+    texts = [t for t in texts if len(t) > max_len + 1]
+    out = []
+    for i in range(count):
+        text = texts[i % len(texts)]
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=generator))
+        start = int(torch.randint(0, len(text) - length, (1,), generator=generator))
+        out.append(text[start : start + length])
+    return out
+
+
+def corpus_files() -> tuple[None, list[Path], list[Path]]:
+    files = stdlib_files()
+    return None, [p for p in files if not held_out(p)], [p for p in files if held_out(p)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--force", action="store_true", help="retrain even when cached")
+    args = parser.parse_args(argv)
+    if (CACHE / "facts.json").exists() and not args.force:
+        print((CACHE / "facts.json").read_text())
+        return 0
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    data, train_files, held = corpus()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    facts = {
+        "corpus": f"Python {sysconfig.get_python_version()} standard library sources (Lib/**/*.py without "
+        "tests, idlelib, lib2to3), byte-level tokens",
+        "train_files": len(train_files),
+        "held_out_files": len(held),
+        "train_bytes": len(data),
+        "seq_len": SEQ_LEN,
+        "batch": BATCH,
+        "vocab_size": VOCAB,
+    }
+    for name in ("target", "draft"):
+        facts[name] = train(name, data)
+        print(name, facts[name])
+    (CACHE / "facts.json").write_text(json.dumps(facts, indent=2))
+    print(json.dumps(facts, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
