@@ -169,6 +169,9 @@ def call_problem(model, generation_config, logits_processor, stopping_criteria, 
     return None
 
 
+#: Counters of the last call that ran fastgen's loop (for benchmarks and diagnostics; not thread-local).
+last_stats: dict[str, int] = {}
+
 _LOOP_ARGS = {"synced_gpus", "streamer", "inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer"}
 
 
@@ -249,8 +252,10 @@ def speculative_generate(
         return count
 
     def pick(scores: torch.Tensor) -> torch.Tensor:
+        """(B, P, V) scores -> (B, P) tokens: argmax, or one sample per position."""
         if do_sample:
-            return torch.multinomial(scores.softmax(-1), 1).squeeze(-1)
+            probs = scores.softmax(-1)
+            return torch.multinomial(probs.flatten(0, 1), 1).view(scores.shape[:2])
         return scores.argmax(-1)
 
     # 1. Prefill: the main model sees the prompt as in regular decoding and picks the first token.
@@ -280,6 +285,8 @@ def speculative_generate(
                 logits_to_keep=1,
             )
 
+    stats = {"steps": 0, "drafted": 0, "accepted": 0, "draft_forwards": 0, "row_steps": 0}
+    last_stats.clear()
     while True:
         alive = ~done
         if not bool(alive.any()):
@@ -332,6 +339,11 @@ def speculative_generate(
         else:
             n, new_tokens = sampled_match_accept(drafts, scores.softmax(-1), draft_lengths)
         count = truncate(new_tokens, n + 1)
+        stats["steps"] += 1
+        stats["row_steps"] += active
+        stats["drafted"] += k * active if draft_lengths is None else int(draft_lengths.sum())
+        stats["accepted"] += int(n.sum())
+        stats["draft_forwards"] += k if draft is not None else 0
         schedule.update(k, int(n.max()))
         done = emit(new_tokens, count)
 
@@ -340,5 +352,6 @@ def speculative_generate(
         if draft is not None and k > 0:
             draft.commit(count, k + 1)
 
+    last_stats.update(stats)
     total = prompt_width + int(generated.max())
     return out[:, :total]
