@@ -31,10 +31,10 @@ CACHE = Path(os.environ.get("FASTGEN_SPEC_PAIR", Path.home() / ".cache" / "fastg
 
 #: name -> (GPT2Config kwargs, max training steps, max seconds)
 MODELS = {
-    "target": (dict(n_layer=8, n_embd=128, n_head=4), 600, 300),
-    "draft": (dict(n_layer=1, n_embd=96, n_head=2), 600, 120),
+    "target": (dict(n_layer=8, n_embd=128, n_head=4), 2000, 330),
+    "draft": (dict(n_layer=1, n_embd=96, n_head=2), 2000, 120),
 }
-SEQ_LEN, BATCH = 128, 24
+SEQ_LEN, BATCH = 128, 16
 
 
 def encode(text: str) -> list[int]:
@@ -60,7 +60,7 @@ def corpus() -> tuple[torch.Tensor, list[Path], list[Path]]:
     train = [p for p in files if not held_out(p)]
     ids: list[int] = []
     for path in train:
-        ids += encode(path.read_text(encoding="utf-8", errors="replace")) + [EOS]
+        ids += [*encode(path.read_text(encoding="utf-8", errors="replace")), EOS]
     return torch.tensor(ids), train, [p for p in files if held_out(p)]
 
 
@@ -82,15 +82,17 @@ def train(name: str, data: torch.Tensor, seed: int = 0) -> dict:
     kwargs, max_steps, max_seconds = MODELS[name]
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(config(**kwargs))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    warmup = 30
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, max_steps) / max_steps))
-    )
+    peak_lr, warmup = 3e-3, 30
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(seed)
     start, losses, step = time.perf_counter(), [], 0
     model.train()
-    while step < max_steps and time.perf_counter() - start < max_seconds:
+    while step < max_steps and (elapsed := time.perf_counter() - start) < max_seconds:
+        # Cosine decay over whichever budget runs out first (steps or seconds): a loaded machine still
+        # ends its run at a small learning rate.
+        progress = max(step / max_steps, elapsed / max_seconds)
+        for group in optimizer.param_groups:
+            group["lr"] = peak_lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * progress))
         offsets = torch.randint(0, len(data) - SEQ_LEN - 1, (BATCH,), generator=generator)
         batch = torch.stack([data[o : o + SEQ_LEN] for o in offsets.tolist()])
         loss = model(input_ids=batch, labels=batch).loss
@@ -98,7 +100,6 @@ def train(name: str, data: torch.Tensor, seed: int = 0) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        schedule.step()
         losses.append(loss.item())
         step += 1
         if step % 50 == 0:

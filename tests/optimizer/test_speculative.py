@@ -27,9 +27,7 @@ def _noisy_copy(model, scale: float = 0.005, seed: int = 3):
 
 
 def _family(model) -> str:
-    return {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[
-        type(model).__name__
-    ]
+    return {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[type(model).__name__]
 
 
 def _drafts(family: str, model):
@@ -81,9 +79,7 @@ def test_greedy_rows_finishing_at_different_steps(family: str) -> None:
     assert len({tuple(f) for f in finished_at}) > 1, "rows should finish at different steps"
     for draft in (_noisy_copy(model), tiny_hf_model(family, seed=11)):
         with fastgen.patched(["speculative"]):
-            got = model.generate(
-                **inputs, assistant_model=draft, do_sample=False, max_new_tokens=30, eos_token_id=eos
-            )
+            got = model.generate(**inputs, assistant_model=draft, do_sample=False, max_new_tokens=30, eos_token_id=eos)
         assert torch.equal(reference, got)
 
 
@@ -96,8 +92,11 @@ def test_draft_schedules_keep_greedy_output(family: str, schedule: str) -> None:
     inputs = tiny_inputs(model, batch=4, length=9)
     reference = _regular_greedy(model, inputs, max_new_tokens=20)
     config = GenerationConfig(
-        do_sample=False, max_new_tokens=20, pad_token_id=model.generation_config.pad_token_id,
-        fastgen_draft_schedule=schedule, fastgen_draft_length=3,
+        do_sample=False,
+        max_new_tokens=20,
+        pad_token_id=model.generation_config.pad_token_id,
+        fastgen_draft_schedule=schedule,
+        fastgen_draft_length=3,
     )
     with fastgen.patched(["speculative"]):
         got = model.generate(**inputs, assistant_model=_noisy_copy(model), generation_config=config)

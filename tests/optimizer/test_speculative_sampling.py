@@ -64,8 +64,14 @@ def test_sampling_distribution_equals_main_model(drafting: str, temperature: flo
     draft = _model(seed=7, num_hidden_layers=1)
     exact = _exact_joint_of_tokens_2_and_3(model, temperature)
     config = GenerationConfig(
-        do_sample=True, temperature=temperature, top_k=None, top_p=None, max_new_tokens=4,
-        pad_token_id=1, eos_token_id=None, fastgen_draft_length=2,
+        do_sample=True,
+        temperature=temperature,
+        top_k=None,
+        top_p=None,
+        max_new_tokens=4,
+        pad_token_id=1,
+        eos_token_id=None,
+        fastgen_draft_length=2,
     )
     extra = dict(assistant_model=draft) if drafting == "assistant" else dict(prompt_lookup_num_tokens=2)
     torch.manual_seed(0)
@@ -86,6 +92,15 @@ def test_a_wrong_rule_fails_the_test() -> None:
     model, draft = _model(seed=0), _model(seed=7, num_hidden_layers=1)
     torch.manual_seed(0)
     with fastgen.unpatched():
-        out = draft.generate(input_ids=torch.tensor([PROMPT] * 2000), do_sample=True, top_k=None,
-                             max_new_tokens=3, pad_token_id=1, eos_token_id=None)
-    assert _chi_square_p_value(out[:, len(PROMPT) + 1 : len(PROMPT) + 3], _exact_joint_of_tokens_2_and_3(model, 1.0)) < 1e-6
+        out = draft.generate(
+            input_ids=torch.tensor([PROMPT] * 2000),
+            do_sample=True,
+            top_k=None,
+            max_new_tokens=3,
+            pad_token_id=1,
+            eos_token_id=None,
+        )
+    assert (
+        _chi_square_p_value(out[:, len(PROMPT) + 1 : len(PROMPT) + 3], _exact_joint_of_tokens_2_and_3(model, 1.0))
+        < 1e-6
+    )
