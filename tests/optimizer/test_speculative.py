@@ -189,3 +189,12 @@ def test_unpatched_refuses_batch_assisted() -> None:
     model = tiny_hf_model("llama")
     with fastgen.unpatched(), pytest.raises(ValueError, match="batch_size = 1"):
         model.generate(**tiny_inputs(model, batch=2), assistant_model=model, max_new_tokens=3)
+
+
+def test_readme_lists_the_supported_families() -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    claimed = re.search(r"<!-- families:speculative -->(.*?)<!-- /families -->", readme).group(1)
+    assert {name.strip() for name in claimed.split(",")} == set(speculative.MODEL_FAMILIES)

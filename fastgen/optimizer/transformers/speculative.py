@@ -22,6 +22,7 @@ loop does not support run upstream's code (with one warning naming the reason wh
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ from fastgen.optimizer.transformers.draft_length import SCHEDULES, DraftLength
 FEATURE = "speculative"
 #: Model classes whose forward takes (input_ids, attention_mask, position_ids, past_key_values) and
 #: whose default cache is a plain DynamicCache; tests prove each equal to regular decoding.
-MODEL_CLASSES = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM")
+MODEL_FAMILIES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODEL_CLASSES = tuple(MODEL_FAMILIES.values())
 ATTENTION = ("sdpa", "eager")
 #: Processors that read only the scores (not the prefix or its length): applied per position they
 #: give what regular decoding gives. Others (repetition penalty, n-gram blocking, min length…) read
@@ -169,8 +171,9 @@ def call_problem(model, generation_config, logits_processor, stopping_criteria, 
     return None
 
 
-#: Counters of the last call that ran fastgen's loop (for benchmarks and diagnostics; not thread-local).
-last_stats: dict[str, int] = {}
+#: Counters of the last call that ran fastgen's loop, and when each row finished (for benchmarks and
+#: diagnostics; not thread-local).
+last_stats: dict[str, Any] = {}
 
 _LOOP_ARGS = {"synced_gpus", "streamer", "inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer"}
 
@@ -205,6 +208,7 @@ def speculative_generate(
     """The loop described in the module docstring; returns ``sequences`` as regular decoding would."""
     from transformers import DynamicCache
 
+    started = time.perf_counter()
     device = input_ids.device
     batch, prompt_width = input_ids.shape
     do_sample = bool(generation_config.do_sample)
@@ -285,7 +289,9 @@ def speculative_generate(
                 logits_to_keep=1,
             )
 
-    stats = {"steps": 0, "drafted": 0, "accepted": 0, "draft_forwards": 0, "row_steps": 0}
+    stats: dict[str, Any] = {"steps": 0, "drafted": 0, "accepted": 0, "draft_forwards": 0, "row_steps": 0}
+    finished_s = torch.zeros(batch, dtype=torch.float64)  # when each row left the batch (seconds into the loop)
+    finished_s[done.cpu()] = time.perf_counter() - started
     last_stats.clear()
     while True:
         alive = ~done
@@ -346,12 +352,13 @@ def speculative_generate(
         stats["draft_forwards"] += k if draft is not None else 0
         schedule.update(k, int(n.max()))
         done = emit(new_tokens, count)
+        finished_s[rows[done].cpu()] = time.perf_counter() - started
 
         # 5. Caches keep the accepted entries: main holds all tokens but the last, the draft all but two.
         main.commit(count, k + 1)
         if draft is not None and k > 0:
             draft.commit(count, k + 1)
 
-    last_stats.update(stats)
+    last_stats.update(stats, row_finished_s=finished_s.tolist())
     total = prompt_width + int(generated.max())
     return out[:, :total]
