@@ -10,7 +10,7 @@ Variants per batch size, alternating in one process after a warm-up (medians ove
 - ``hf_looped``: upstream's batch-1 assisted decoding, once per row (unpadded prompt);
 - ``fastgen_lookup``: ``generate(prompt_lookup_num_tokens=...)`` on the whole batch with fastgen.
 
-Prompts are cut from held-out standard-library files (32-96 bytes, left-padded); greedy, EOS on,
+Prompts are cut from held-out standard-library files (16-48 tokens, left-padded); greedy, EOS on,
 ``--new-tokens`` per row at most. Per-token latency of a sequence = time until it is finished / its
 new tokens: for batched upstream calls a row is finished at the step it stops (a stopping-criteria
 hook records it), for fastgen's loop when it leaves the batch, for the looped baseline when its own
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     target, draft, facts = spec_pair.load()
     target, draft = target.to(args.device), draft.to(args.device)
-    prompts = spec_pair.prompts(max(args.batches), 32, 96)
+    prompts = spec_pair.prompts(max(args.batches), 16, 48)
     load_before = os.getloadavg()
     results: dict[str, Any] = {}
     run_batch(target, draft, prompts[:2], 8, args.lookup)  # warm-up
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command,
         "settings": {
             "new_tokens": args.new_tokens,
-            "prompt_bytes": [32, 96],
+            "prompt_tokens": [16, 48],
             "greedy": True,
             "eos": "on (id 2)",
             "rounds": args.rounds,
