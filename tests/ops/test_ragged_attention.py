@@ -74,6 +74,13 @@ def test_triton_matches_reference(case) -> None:
     torch.testing.assert_close(got, ragged_attention_reference(query, key, value, lengths), atol=2e-5, rtol=2e-5)
 
 
+@needs_interpreter
+def test_triton_fp16_matches_reference() -> None:
+    query, key, value, lengths = (t.half() if t.is_floating_point() else t for t in _inputs(3, 4, 2, 6, 50, 32, seed=2))
+    got = ragged_attention(query, key, value, lengths, backend="triton")
+    torch.testing.assert_close(got, ragged_attention_reference(query, key, value, lengths), atol=2e-3, rtol=4e-3)
+
+
 def test_backend_choice_on_cpu() -> None:
     query = torch.zeros(1, 1, 1, 8)
     assert ragged_attention_backend(query, "torch") == "torch"

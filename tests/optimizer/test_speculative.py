@@ -198,3 +198,14 @@ def test_readme_lists_the_supported_families() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     claimed = re.search(r"<!-- families:speculative -->(.*?)<!-- /families -->", readme).group(1)
     assert {name.strip() for name in claimed.split(",")} == set(speculative.MODEL_FAMILIES)
+
+
+@pytest.mark.parametrize("length, new_tokens", [(1, 10), (3, 1), (3, 2), (6, 3)])
+def test_short_prompts_and_budgets(length: int, new_tokens: int) -> None:
+    model = tiny_hf_model("llama")
+    inputs = tiny_inputs(model, batch=3, length=length, padded=length > 2)
+    reference = _regular_greedy(model, inputs, max_new_tokens=new_tokens)
+    for extra in (dict(assistant_model=tiny_hf_model("llama", seed=3)), dict(prompt_lookup_num_tokens=3)):
+        with fastgen.patched(["speculative"]):
+            got = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, **extra)
+        assert torch.equal(reference, got)

@@ -2,7 +2,8 @@
 
 One program per (row, query head, block of query positions). It loops over key blocks from the
 row's first valid slot ``T - lengths[b]`` (rounded down to a block) to its last visible slot, with
-an online softmax in float32; slots outside ``[T - lengths[b], T - q + i]`` get ``-inf``. So a row
+an online softmax in float32 (fp16/bf16 operands go to the tensor cores with fp32 accumulation;
+fp32 operands use IEEE products, no TF32); slots outside ``[T - lengths[b], T - q + i]`` get ``-inf``. So a row
 pays for its own length only, not the batch maximum, except for the one partly padded block:
 the compute saving of BASS-SPLIT inside BASS-PAD's single launch.
 
@@ -51,7 +52,7 @@ def _ragged_attention_kernel(
         Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
     last = WIDTH - Q_LEN + offs_m  # last slot each query may read
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -65,7 +66,7 @@ def _ragged_attention_kernel(
             K + b * stride_kb + kv_h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
             mask=col_ok[:, None] & dim_ok[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # ieee: no TF32 on fp32
         visible = (offs_n[None, :] >= first) & (offs_n[None, :] <= last[:, None]) & col_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -77,8 +78,8 @@ def _ragged_attention_kernel(
             V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
             mask=col_ok[:, None] & dim_ok[None, :],
             other=0.0,
-        ).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
