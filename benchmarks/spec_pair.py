@@ -14,7 +14,8 @@ learn much faster than bytes, which matters for a few minutes of training on a l
 Models: GPT-2 configs. The target (6 layers, d=128) is trained on the token stream; the draft
 (1 layer, d=128) starts from the target's token/position embeddings, final norm and head (a fresh
 block) and is distilled from it (KL to the target's next-token distribution), as drafts usually
-are. Each run is a fixed number of steps capped by seconds, with a cosine learning rate over the
+are; ``--independent-draft`` also trains a draft of the same shape from scratch on the corpus.
+Each run is a fixed number of steps capped by seconds, with a cosine learning rate over the
 budget that runs out first. Saved with ``save_pretrained`` under ``~/.cache/fastgen/spec-pair``
 (``FASTGEN_SPEC_PAIR`` overrides) with the vocabulary and ``facts.json``.
 """
@@ -101,9 +102,12 @@ def _draft_from(teacher: transformers.GPT2LMHeadModel, kwargs: dict) -> transfor
     return student
 
 
-def train(name: str, data: torch.Tensor, seed: int = 0, teacher: transformers.GPT2LMHeadModel | None = None) -> dict:
+def train(
+    name: str, data: torch.Tensor, seed: int = 0, teacher: transformers.GPT2LMHeadModel | None = None, save_as: str = ""
+) -> dict:
     """Train ``name`` on the token stream; with a ``teacher``, distil it (KL to its next-token distribution)."""
     kwargs, max_steps, max_seconds = MODELS[name]
+    save_as = save_as or name
     torch.manual_seed(seed)
     model = _draft_from(teacher, kwargs) if teacher is not None else transformers.GPT2LMHeadModel(config(**kwargs))
     peak_lr, warmup = 3e-3, 30
@@ -134,7 +138,7 @@ def train(name: str, data: torch.Tensor, seed: int = 0, teacher: transformers.GP
             print(f"{name}: step {step} loss {sum(losses[-50:]) / 50:.3f} ({time.perf_counter() - start:.0f} s)")
     model.eval()
     model.generation_config.pad_token_id = PAD
-    model.save_pretrained(CACHE / name)
+    model.save_pretrained(CACHE / save_as)
     facts = {
         "config": kwargs,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -148,7 +152,7 @@ def train(name: str, data: torch.Tensor, seed: int = 0, teacher: transformers.GP
         if teacher
         else "random",
     }
-    (CACHE / name / "train_facts.json").write_text(json.dumps(facts, indent=2))
+    (CACHE / save_as / "train_facts.json").write_text(json.dumps(facts, indent=2))
     return facts
 
 
@@ -156,13 +160,21 @@ def vocabulary() -> Vocabulary:
     return Vocabulary(json.loads((CACHE / "vocab.json").read_text()))
 
 
-def load() -> tuple[transformers.GPT2LMHeadModel, transformers.GPT2LMHeadModel, dict]:
-    """The cached pair (target, draft) and its facts; trains it first when missing."""
+def load(draft_kind: str = "distilled") -> tuple[transformers.GPT2LMHeadModel, transformers.GPT2LMHeadModel, dict]:
+    """The cached pair (target, draft) and its facts; trains what is missing first.
+
+    ``draft_kind``: ``"distilled"`` (the default draft) or ``"independent"`` (same shape, random
+    init, trained on the corpus itself: a pair that agrees less, like drafts not made for their target).
+    """
     if not (CACHE / "facts.json").exists():
         main([])
+    name = "draft" if draft_kind == "distilled" else "draft-independent"
+    if not (CACHE / name).exists():
+        main(["--independent-draft"])
     facts = json.loads((CACHE / "facts.json").read_text())
+    facts["draft"] = json.loads((CACHE / name / "train_facts.json").read_text())
     target = transformers.GPT2LMHeadModel.from_pretrained(CACHE / "target").eval()
-    draft = transformers.GPT2LMHeadModel.from_pretrained(CACHE / "draft").eval()
+    draft = transformers.GPT2LMHeadModel.from_pretrained(CACHE / name).eval()
     return target, draft, facts
 
 
@@ -185,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true", help="retrain even when cached")
     parser.add_argument("--draft-only", action="store_true", help="keep the cached target, retrain the draft")
+    parser.add_argument(
+        "--independent-draft", action="store_true", help="train the draft-independent model (random init, no teacher)"
+    )
     args = parser.parse_args(argv)
-    if (CACHE / "facts.json").exists() and not (args.force or args.draft_only):
+    if (CACHE / "facts.json").exists() and not (args.force or args.draft_only or args.independent_draft):
         print((CACHE / "facts.json").read_text())
         return 0
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -198,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = vocabulary()
     ids = [i for text in train_texts for i in [*vocab.encode(text), EOS]]
     data = torch.tensor(ids)
+    if args.independent_draft:
+        print("draft-independent", train("draft", data, seed=1, save_as="draft-independent"))
+        return 0
     facts = {
         "corpus": f"Python {sysconfig.get_python_version()} standard library sources (Lib/**/*.py without "
         "tests, idlelib, lib2to3); held out: files whose name hashes to 0 mod 20",

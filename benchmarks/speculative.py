@@ -92,7 +92,9 @@ def _latency(finished: list[float], tokens: list[int]) -> dict[str, float]:
     }
 
 
-def run_batch(target, draft, prompts: list[list[int]], new_tokens: int, lookup: int) -> dict[str, dict]:
+def run_batch(
+    target, draft, prompts: list[list[int]], new_tokens: int, lookup: int, limits: list[int] = ()
+) -> dict[str, dict]:
     """One timed run of every variant on one batch: {variant: {seconds, sequences, finished, stats}}."""
     inputs = _batch(prompts)
     width = inputs["input_ids"].shape[1]
@@ -110,10 +112,17 @@ def run_batch(target, draft, prompts: list[list[int]], new_tokens: int, lookup: 
             seq = target.generate(**inputs, **greedy, stopping_criteria=StoppingCriteriaList([clock]))
         return {"rows": [_new_tokens(r, width) for r in seq], "finished": clock.finished}
 
-    def batched(**extra: Any) -> dict:
+    def batched(config_attributes: dict | None = None, **extra: Any) -> dict:
         start = time.perf_counter()
         speculative.last_stats.clear()
-        seq = target.generate(**inputs, **greedy, **extra)
+        saved = {k: getattr(target.generation_config, k, None) for k in config_attributes or {}}
+        for k, v in (config_attributes or {}).items():
+            setattr(target.generation_config, k, v)
+        try:
+            seq = target.generate(**inputs, **greedy, **extra)
+        finally:
+            for k, v in saved.items():
+                setattr(target.generation_config, k, v)
         stats = dict(speculative.last_stats)
         finished = stats.pop("row_finished_s", None)
         if finished is None:  # batch 1: upstream's loop ran; the row is finished when the call returns
@@ -137,6 +146,13 @@ def run_batch(target, draft, prompts: list[list[int]], new_tokens: int, lookup: 
         ("fastgen_lookup", lambda: batched(prompt_lookup_num_tokens=lookup)),
         ("hf_looped", looped),
     ]
+    for limit in limits:  # BASS with a smaller l_limit: verification is not free on a CPU
+        order.append(
+            (
+                f"fastgen_l_limit_{limit}",
+                lambda limit=limit: batched({"fastgen_draft_limit": limit}, assistant_model=draft),
+            )
+        )
     for name, fn in order:
         with torch.inference_mode():
             timed(name, fn)
@@ -179,19 +195,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--lookup", type=int, default=4, help="prompt_lookup_num_tokens")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--draft", choices=["distilled", "independent"], default="distilled")
+    parser.add_argument("--limits", type=int, nargs="*", default=[8], help="extra fastgen variants with this l_limit")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
     command = "python -m benchmarks.speculative " + shlex.join(argv if argv is not None else sys.argv[1:])
 
-    target, draft, facts = spec_pair.load()
+    target, draft, facts = spec_pair.load(args.draft)
     target, draft = target.to(args.device), draft.to(args.device)
     prompts = spec_pair.prompts(max(args.batches), 16, 48)
     load_before = os.getloadavg()
     results: dict[str, Any] = {}
-    run_batch(target, draft, prompts[:2], 8, args.lookup)  # warm-up
+    run_batch(target, draft, prompts[:2], 8, args.lookup, args.limits)  # warm-up
     for batch in args.batches:
-        runs = [run_batch(target, draft, prompts[:batch], args.new_tokens, args.lookup) for _ in range(args.rounds)]
+        runs = [
+            run_batch(target, draft, prompts[:batch], args.new_tokens, args.lookup, args.limits)
+            for _ in range(args.rounds)
+        ]
         results[str(batch)] = summarise(runs)
         row = results[str(batch)]
         print(
@@ -215,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             "eos": "on (id 2)",
             "rounds": args.rounds,
             "prompt_lookup_num_tokens": args.lookup,
-            "draft_schedule": "bass (fastgen default: l0=7, l_incre=2, l_mod=10, l_limit=32)",
+            "draft_schedule": "bass (fastgen default: l0=7, l_incre=2, l_mod=10, l_limit=32); "
+            "fastgen_l_limit_N: the same with l_limit=N",
+            "draft": args.draft,
         },
         "pair": facts,
         "results_by_batch": results,
@@ -225,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.no_save:
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"speculative-{args.device}.json"
+        suffix = "" if args.draft == "distilled" else "-independent-draft"
+        path = args.out / f"speculative-{args.device}{suffix}.json"
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {path}")
     return 0
