@@ -93,12 +93,14 @@ def _latency(finished: list[float], tokens: list[int]) -> dict[str, float]:
 
 
 def run_batch(
-    target, draft, prompts: list[list[int]], new_tokens: int, lookup: int, limits: list[int] = ()
+    target, draft, prompts: list[list[int]], new_tokens: int, lookup: int, limits: list[int] = (), sample: bool = False
 ) -> dict[str, dict]:
     """One timed run of every variant on one batch: {variant: {seconds, sequences, finished, stats}}."""
     inputs = _batch(prompts)
     width = inputs["input_ids"].shape[1]
-    greedy = dict(do_sample=False, max_new_tokens=new_tokens, eos_token_id=spec_pair.EOS, pad_token_id=spec_pair.PAD)
+    greedy = dict(do_sample=sample, max_new_tokens=new_tokens, eos_token_id=spec_pair.EOS, pad_token_id=spec_pair.PAD)
+    if sample:
+        greedy |= dict(top_k=None, top_p=None, temperature=1.0)
     results: dict[str, dict] = {}
 
     def timed(name: str, fn) -> None:
@@ -159,7 +161,7 @@ def run_batch(
     return results
 
 
-def summarise(runs: list[dict[str, dict]]) -> dict[str, Any]:
+def summarise(runs: list[dict[str, dict]], sample: bool = False) -> dict[str, Any]:
     variants = list(runs[0])
     reference = runs[0]["regular"]["rows"]
     out: dict[str, Any] = {}
@@ -173,7 +175,8 @@ def summarise(runs: list[dict[str, dict]]) -> dict[str, Any]:
             "tokens_per_s": tokens / statistics.median(seconds),
             "new_tokens": tokens,
             "per_token_latency": _latency(median_run["finished"], [len(row) for row in median_run["rows"]]),
-            "identical_to_regular_greedy": all(r[name]["rows"] == reference for r in runs),
+            # Sampling: outputs are equal in distribution only (tests/optimizer/test_speculative_sampling.py).
+            "identical_to_regular_greedy": None if sample else all(r[name]["rows"] == reference for r in runs),
         }
         stats = median_run.get("stats")
         if stats:
@@ -188,6 +191,25 @@ def summarise(runs: list[dict[str, dict]]) -> dict[str, Any]:
     return out
 
 
+def markdown_table(path: Path) -> str:
+    """The README table of one result file: tokens/s, ratio to regular decoding, latency, acceptance."""
+    report = json.loads(path.read_text())
+    lines = [
+        "| batch | variant | tok/s | × regular | ms/token first / last / avg | acceptance | = greedy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for batch, variants in report["results_by_batch"].items():
+        for name, r in variants.items():
+            lat = r["per_token_latency"]
+            accept = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "—"
+            lines.append(
+                f"| {batch} | {name} | {r['tokens_per_s']:.0f} | {r['speedup_vs_regular']:.2f} | "
+                f"{lat['first_ms']:.2f} / {lat['last_ms']:.2f} / {lat['average_ms']:.2f} | {accept} | "
+                f"{ {True: 'yes', False: 'NO', None: 'n/a (sampling)'}[r['identical_to_regular_greedy']] } |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -199,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limits", type=int, nargs="*", default=[8], help="extra fastgen variants with this l_limit")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--sample", action="store_true", help="multinomial sampling (temperature 1) instead of greedy")
+    parser.add_argument("--table", type=Path, help="print the markdown table of a result file and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        print(markdown_table(args.table))
+        return 0
     command = "python -m benchmarks.speculative " + shlex.join(argv if argv is not None else sys.argv[1:])
 
     target, draft, facts = spec_pair.load(args.draft)
@@ -207,20 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     prompts = spec_pair.prompts(max(args.batches), 16, 48)
     load_before = os.getloadavg()
     results: dict[str, Any] = {}
-    run_batch(target, draft, prompts[:2], 8, args.lookup, args.limits)  # warm-up
+    run_batch(target, draft, prompts[:2], 8, args.lookup, args.limits, args.sample)  # warm-up
     for batch in args.batches:
         runs = [
-            run_batch(target, draft, prompts[:batch], args.new_tokens, args.lookup, args.limits)
+            run_batch(target, draft, prompts[:batch], args.new_tokens, args.lookup, args.limits, args.sample)
             for _ in range(args.rounds)
         ]
-        results[str(batch)] = summarise(runs)
+        results[str(batch)] = summarise(runs, args.sample)
         row = results[str(batch)]
         print(
             f"batch {batch:>2}: "
             + "  ".join(
                 f"{name} {r['tokens_per_s']:.0f} tok/s ({r['speedup_vs_regular']:.2f}x"
                 + (f", accept {r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "")
-                + ("" if r["identical_to_regular_greedy"] else ", OUTPUT DIFFERS")
+                + ("" if r["identical_to_regular_greedy"] in (True, None) else ", OUTPUT DIFFERS")
                 + ")"
                 for name, r in row.items()
             ),
@@ -232,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "new_tokens": args.new_tokens,
             "prompt_tokens": [16, 48],
-            "greedy": True,
+            "greedy": not args.sample,
+            "sampling": "multinomial, temperature 1, no top-k/top-p" if args.sample else None,
             "eos": "on (id 2)",
             "rounds": args.rounds,
             "prompt_lookup_num_tokens": args.lookup,
@@ -248,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.no_save:
         args.out.mkdir(parents=True, exist_ok=True)
-        suffix = "" if args.draft == "distilled" else "-independent-draft"
+        suffix = ("" if args.draft == "distilled" else "-independent-draft") + ("-sample" if args.sample else "")
         path = args.out / f"speculative-{args.device}{suffix}.json"
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {path}")
