@@ -191,6 +191,33 @@ def summarise(runs: list[dict[str, dict]], sample: bool = False) -> dict[str, An
     return out
 
 
+def verification_cost(target, draft, batches=(1, 8, 16), new=(1, 2, 4, 8), past=64, reps=30) -> dict:
+    """Median ms of one forward of ``m`` new tokens per row after a ``past``-token cache (target), and of
+    one draft step: how the cost of verifying ``k + 1`` tokens grows with ``k`` on this device."""
+    from transformers import DynamicCache
+
+    def one(model, batch: int, m: int) -> float:
+        times = []
+        generator = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for _ in range(reps):
+                cache = DynamicCache(config=model.config)
+                model(
+                    input_ids=torch.randint(4, spec_pair.VOCAB, (batch, past), generator=generator),
+                    past_key_values=cache,
+                )
+                step = torch.randint(4, spec_pair.VOCAB, (batch, m), generator=generator)
+                start = time.perf_counter()
+                model(input_ids=step, past_key_values=cache)
+                times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    return {
+        str(b): {"target_ms_by_new_tokens": {str(m): one(target, b, m) for m in new}, "draft_step_ms": one(draft, b, 1)}
+        for b in batches
+    }
+
+
 def markdown_table(path: Path) -> str:
     """The README table of one result file: tokens/s, ratio to regular decoding, latency, acceptance."""
     report = json.loads(path.read_text())
@@ -222,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--sample", action="store_true", help="multinomial sampling (temperature 1) instead of greedy")
+    parser.add_argument("--verify-cost", action="store_true", help="only measure forward cost vs new tokens")
     parser.add_argument("--table", type=Path, help="print the markdown table of a result file and exit")
     args = parser.parse_args(argv)
     if args.table:
@@ -231,6 +259,20 @@ def main(argv: list[str] | None = None) -> int:
 
     target, draft, facts = spec_pair.load(args.draft)
     target, draft = target.to(args.device), draft.to(args.device)
+    if args.verify_cost:
+        load_before = os.getloadavg()
+        report = {
+            "command": command,
+            "what": "median ms of one target forward of m new tokens per row after a 64-token cache; one draft step",
+            "cost": verification_cost(target, draft),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "environment": environment(args.device),
+        }
+        print(json.dumps(report["cost"], indent=1))
+        if not args.no_save:
+            (args.out / f"speculative-verify-cost-{args.device}.json").write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     prompts = spec_pair.prompts(max(args.batches), 16, 48)
     load_before = os.getloadavg()
     results: dict[str, Any] = {}
