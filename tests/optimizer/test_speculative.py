@@ -51,13 +51,15 @@ def test_greedy_identical_to_regular_decoding_for_any_draft(family: str) -> None
     acceptance = {}
     for kind, draft in _drafts(family, model).items():
         accepted = drafted = 0
-        for batch in (2, 5, 8):
+        for batch in (1, 2, 3, 5, 8):
             inputs = tiny_inputs(model, batch=batch, length=4 + 2 * batch, seed=batch)
             reference = _regular_greedy(model, inputs, max_new_tokens=24)
-            assert len({tuple(r) for r in reference[:, -24:].tolist()}) > 1, "degenerate model output"
+            assert len(set(reference[:, -24:].flatten().tolist())) > 3, "degenerate model output"
             with fastgen.patched(["speculative"]):
                 got = model.generate(**inputs, assistant_model=draft, do_sample=False, max_new_tokens=24)
             assert torch.equal(reference, got), f"{kind} draft, batch {batch}:\n{reference}\n{got}"
+            if batch == 1:
+                continue  # upstream's own loop (fastgen leaves batch 1 alone)
             assert speculative.last_stats["steps"] > 0, "fastgen's loop did not run"
             accepted += speculative.last_stats["accepted"]
             drafted += speculative.last_stats["drafted"]
@@ -115,6 +117,17 @@ def test_prompt_lookup_greedy_identical(family: str) -> None:
             got = model.generate(**inputs, prompt_lookup_num_tokens=4, do_sample=False, max_new_tokens=24)
         assert torch.equal(reference, got)
         assert speculative.last_stats["steps"] > 0
+
+
+def test_with_every_feature_enabled() -> None:
+    """dedup, ngram and speculative together: dedup steps aside for assisted calls, the output is unchanged."""
+    model = tiny_hf_model("gpt2")
+    inputs = tiny_inputs(model, batch=4)
+    reference = _regular_greedy(model, inputs, max_new_tokens=16)
+    speculative.last_stats.clear()
+    with fastgen.patched():
+        got = model.generate(**inputs, assistant_model=_noisy_copy(model), do_sample=False, max_new_tokens=16)
+    assert torch.equal(reference, got) and speculative.last_stats["steps"] > 0
 
 
 def test_return_dict_carries_sequences() -> None:
