@@ -197,6 +197,15 @@ def test_encoder_decoder_falls_back_with_reason(caplog) -> None:
     assert "encoder-decoder" in caplog.text
 
 
+def test_sliding_window_falls_back_with_reason(caplog) -> None:
+    model = tiny_hf_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    inputs = tiny_inputs(model, batch=2)
+    with caplog.at_level(logging.WARNING, logger="fastgen"):
+        upstream, patched = _upstream_and_patched(model, inputs, assistant_model=model, max_new_tokens=4)
+    assert upstream == patched
+    assert "sliding-window" in caplog.text
+
+
 def test_unpatched_refuses_batch_assisted() -> None:
     """The premise: upstream Transformers refuses what this feature adds."""
     model = tiny_hf_model("llama")

@@ -119,6 +119,8 @@ def call_problem(model, generation_config, logits_processor, stopping_criteria, 
             return f"{name} {type(value).__name__} is an encoder-decoder model (the loop keeps decoder-only caches)"
         if type(value).__name__ not in MODEL_CLASSES:
             return f"{name} class {type(value).__name__} (supported: {', '.join(MODEL_CLASSES)})"
+        if any(t != "full_attention" for t in getattr(value.config, "layer_types", None) or ()):
+            return f"{name} has sliding-window layers (their caches crop themselves; rows here are ragged)"
         attention = value.config._attn_implementation
         if attention not in ATTENTION:
             return f"{name} attention implementation {attention!r} (supported: {', '.join(ATTENTION)})"
