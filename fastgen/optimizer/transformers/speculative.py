@@ -228,10 +228,9 @@ def speculative_generate(
         schedule = DraftLength(schedule="constant", length=int(generation_config.prompt_lookup_num_tokens))
     max_ngram = generation_config.max_matching_ngram_size or 2
 
-    # Output buffer: the left-padded prompt, then each row's generated tokens at its own columns
-    # (slack of limit + 1 columns so that every step can write k + 1 tokens without clamping).
-    slack = max(schedule.limit, schedule.length) + 2
-    out = torch.full((batch, prompt_width + max_new + slack), int(pad) if pad is not None else 0, device=device)
+    # Output buffer: the left-padded prompt, then each row's generated tokens at its own columns. A step
+    # writes k + 1 <= max_new tokens after at most max_new - 1, so 2 * max_new columns never overflow.
+    out = torch.full((batch, prompt_width + 2 * max_new + 1), int(pad) if pad is not None else 0, device=device)
     out[:, :prompt_width] = input_ids
     generated = torch.zeros(batch, dtype=torch.long, device=device)
     rows = torch.arange(batch, device=device)  # original row of each active row
