@@ -113,3 +113,18 @@ PATCHES += [
         expects=("self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus"),
     ),
 ]
+
+# ---------------------------------------------------------------------------- speculative
+# Batched speculative decoding (BASS-PAD): assisted generation and prompt lookup at batch > 1, each
+# row accepting its own number of draft tokens (fastgen.optimizer.transformers.speculative). Upstream
+# raises for batch > 1 inside _assisted_decoding; batch 1 and unsupported calls go to upstream.
+PATCHES += [
+    Patch(
+        feature="speculative",
+        target="transformers.generation.utils:GenerationMixin._assisted_decoding",
+        factory="fastgen.optimizer.transformers.speculative:make_assisted_decoding",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "assistant_model"),
+    ),
+]
