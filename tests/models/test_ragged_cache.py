@@ -8,7 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from fastgen.models.ragged_cache import RaggedCache
-from tests.harness import DECODER_ONLY, tiny_hf_model, tiny_inputs
+from fastgen.optimizer.transformers.speculative import MODEL_FAMILIES
+from tests.harness import tiny_hf_model, tiny_inputs
 
 
 def _ragged_run(model, inputs, steps, seed=0):
@@ -36,7 +37,7 @@ def _ragged_run(model, inputs, steps, seed=0):
     return cache, kept
 
 
-@pytest.mark.parametrize("family", DECODER_ONLY)
+@pytest.mark.parametrize("family", list(MODEL_FAMILIES))
 def test_valid_entries_equal_each_rows_own_cache(family: str) -> None:
     model = tiny_hf_model(family)
     inputs = tiny_inputs(model, batch=4, length=9)
@@ -56,7 +57,7 @@ def test_valid_entries_equal_each_rows_own_cache(family: str) -> None:
                 torch.testing.assert_close(layer.values[b, :, width - n :], single.values[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", DECODER_ONLY)
+@pytest.mark.parametrize("family", list(MODEL_FAMILIES))
 def test_no_row_reads_its_padding(family: str) -> None:
     """Overwrite every padding slot with huge values: the next step's logits do not move."""
     model = tiny_hf_model(family)

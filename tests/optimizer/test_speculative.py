@@ -11,7 +11,8 @@ import torch
 
 import fastgen
 from fastgen.optimizer.transformers import speculative
-from tests.harness import DECODER_ONLY, requires_feature, tiny_hf_model, tiny_inputs
+from fastgen.optimizer.transformers.speculative import MODEL_FAMILIES
+from tests.harness import requires_feature, tiny_hf_model, tiny_inputs
 
 pytestmark = requires_feature("speculative")
 
@@ -45,7 +46,7 @@ def _regular_greedy(model, inputs, **kwargs):
         return model.generate(**inputs, do_sample=False, **kwargs)
 
 
-@pytest.mark.parametrize("family", DECODER_ONLY)
+@pytest.mark.parametrize("family", list(MODEL_FAMILIES))
 def test_greedy_identical_to_regular_decoding_for_any_draft(family: str) -> None:
     model = tiny_hf_model(family)
     acceptance = {}
@@ -69,7 +70,7 @@ def test_greedy_identical_to_regular_decoding_for_any_draft(family: str) -> None
     assert acceptance["noisy"] > 0.5 > acceptance["independent"]
 
 
-@pytest.mark.parametrize("family", DECODER_ONLY)
+@pytest.mark.parametrize("family", list(MODEL_FAMILIES))
 def test_greedy_rows_finishing_at_different_steps(family: str) -> None:
     model = tiny_hf_model(family)
     inputs = tiny_inputs(model, batch=6, length=10, seed=4)
@@ -85,7 +86,7 @@ def test_greedy_rows_finishing_at_different_steps(family: str) -> None:
         assert torch.equal(reference, got)
 
 
-@pytest.mark.parametrize("family", DECODER_ONLY)
+@pytest.mark.parametrize("family", list(MODEL_FAMILIES))
 @pytest.mark.parametrize("schedule", ["bass", "heuristic", "constant"])
 def test_draft_schedules_keep_greedy_output(family: str, schedule: str) -> None:
     from transformers import GenerationConfig
@@ -105,7 +106,7 @@ def test_draft_schedules_keep_greedy_output(family: str, schedule: str) -> None:
     assert torch.equal(reference, got)
 
 
-@pytest.mark.parametrize("family", DECODER_ONLY)
+@pytest.mark.parametrize("family", list(MODEL_FAMILIES))
 def test_prompt_lookup_greedy_identical(family: str) -> None:
     model = tiny_hf_model(family)
     for batch in (2, 4, 7):
