@@ -208,8 +208,9 @@ def run(args: argparse.Namespace, argv: list[str], executor: Any = None) -> int:
     header = {"tool": "fastgen-generate", "argv": _fingerprint(argv), "world": world.size, "rank": world.rank}
     journal = Journal(world.part(output), header, resume=args.resume) if output is not None else None
     done = journal.done_units if journal is not None else set()
-    if journal is not None and journal.records and random_decoding:
-        _restore_rng(journal.records[-1]["rng"])
+    # Restored just before the first generation: starting the batch iterator draws from torch's
+    # generator too (DataLoader seeds), as it did before the first batch of the killed run.
+    pending_rng = journal.records[-1]["rng"] if journal is not None and journal.records and random_decoding else None
     my_batches = batches[world.rank :: world.size]
     progress = Progress(
         total=sum(len(b) for b in my_batches),
@@ -244,6 +245,9 @@ def run(args: argparse.Namespace, argv: list[str], executor: Any = None) -> int:
             if unit in done or "net_input" not in sample:
                 continue
             sample = utils.move_to_cuda(sample) if use_cuda else sample
+            if pending_rng is not None:
+                _restore_rng(pending_rng)
+                pending_rng = None
             prefix_tokens = None
             if cfg.generation.prefix_size > 0:
                 prefix_tokens = sample["target"][:, : cfg.generation.prefix_size]

@@ -16,7 +16,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+    "tau",
+]
 
 COMMON = ["--batch-size", "8", "--required-batch-size-multiple", "1", "--cpu", "--max-len-b", "12"]
 
@@ -33,24 +53,30 @@ CONFIGS: dict[str, list[str]] = {
 # a process that imported fastgen first (same blocker as fastgen-generate; only the CLI differs).
 WITH_FASTGEN_ORACLE = {"ngram"}
 
-# Runs upstream fairseq-generate once per configuration in one interpreter (one import).
-_UPSTREAM_DRIVER = """
-import contextlib, io, sys, json
-runs = json.loads(sys.argv[1])
-if sys.argv[2] == "fastgen":
-    import fastgen
-from fairseq_cli.generate import cli_main
-for name, argv, out in runs:
-    sys.argv = ["fairseq-generate", *argv]
+# One interpreter (one `import fairseq`) runs fairseq's own CLIs: preprocess, train, then
+# fairseq-generate once per configuration, then imports fastgen and runs the configurations
+# whose oracle has fastgen's n-gram blocker.
+_DRIVER = """
+import contextlib, io, json, sys
+steps = json.loads(sys.argv[1])
+from fairseq_cli import generate, preprocess, train
+tools = {"preprocess": preprocess.cli_main, "train": train.cli_main, "generate": generate.cli_main}
+for tool, argv, out in steps:
+    if tool == "import fastgen":
+        import fastgen
+        continue
+    sys.argv = ["fairseq-" + tool, *argv]
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        cli_main()
-    open(out, "w").write(buffer.getvalue())
+        tools[tool]()
+    if out:
+        open(out, "w").write(buffer.getvalue())
 """
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1", "FASTGEN_DISABLE": "1"}
+    """For subprocesses: one thread, fairseq checkpoints loadable on torch>=2.6."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
 
 
 def _write_split(root: Path, split: str, n: int, rng: random.Random) -> None:
@@ -63,44 +89,74 @@ def _write_split(root: Path, split: str, n: int, rng: random.Random) -> None:
     (root / f"{split}.tgt").write_text("\n".join(tgt) + "\n")
 
 
-def _tool(name: str) -> str:
-    return str(Path(sys.executable).parent / name)
-
-
 def build(root: Path) -> dict[str, Path]:
     """Data, checkpoint and upstream outputs under ``root``; returns their paths."""
     rng = random.Random(0)
     for split, n in (("train", 200), ("valid", 20), ("test", 30)):
         _write_split(root, split, n, rng)
-    run = {"env": env(), "cwd": root, "check": True, "capture_output": True, "text": True}
-    subprocess.run(
-        [_tool("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt", "--trainpref", "train"]
-        + ["--validpref", "valid", "--testpref", "test", "--destdir", "bin", "--workers", "1"],
-        **run,
-    )
+    paths = {"root": root, "data": root / "bin", "ckpt": root / "ckpt" / "checkpoint_last.pt"}
     arch = ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1"]
     arch += ["--encoder-embed-dim", "16", "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32"]
     arch += ["--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
-    subprocess.run(
-        [_tool("fairseq-train"), "bin", *arch, "--optimizer", "adam", "--lr", "0.0005", "--max-tokens", "2000"]
-        + ["--max-update", "3", "--cpu", "--save-dir", "ckpt", "--no-epoch-checkpoints", "--disable-validation"]
-        + ["--seed", "1", "--log-format", "simple", "--num-workers", "0"],
-        **run,
-    )
-    paths = {"root": root, "data": root / "bin", "ckpt": root / "ckpt" / "checkpoint_last.pt"}
-    plain, with_fastgen = [], []
+    steps: list[list] = [
+        [
+            "preprocess",
+            [
+                "--source-lang",
+                "src",
+                "--target-lang",
+                "tgt",
+                "--trainpref",
+                "train",
+                "--validpref",
+                "valid",
+                "--testpref",
+                "test",
+                "--destdir",
+                "bin",
+                "--workers",
+                "1",
+            ],
+            None,
+        ],
+        [
+            "train",
+            [
+                "bin",
+                *arch,
+                "--optimizer",
+                "adam",
+                "--lr",
+                "0.0005",
+                "--max-tokens",
+                "2000",
+                "--max-update",
+                "3",
+                "--cpu",
+                "--save-dir",
+                "ckpt",
+                "--no-epoch-checkpoints",
+                "--disable-validation",
+                "--seed",
+                "1",
+                "--log-format",
+                "simple",
+                "--num-workers",
+                "0",
+            ],
+            None,
+        ],
+    ]
+    later = []
     for name, extra in CONFIGS.items():
-        out = root / f"upstream-{name}.txt"
-        plain.append([name, base_args(paths) + extra, str(out)])
-        paths[f"upstream-{name}"] = out
+        paths[f"upstream-{name}"] = root / f"upstream-{name}.txt"
+        steps.append(["generate", base_args(paths) + extra, str(paths[f"upstream-{name}"])])
         if name in WITH_FASTGEN_ORACLE:
-            out = root / f"upstream-with-fastgen-{name}.txt"
-            with_fastgen.append([name, base_args(paths) + extra, str(out)])
-            paths[f"upstream-with-fastgen-{name}"] = out
-    subprocess.run([sys.executable, "-c", _UPSTREAM_DRIVER, json.dumps(plain), "plain"], **run)
-    fastgen_env = {k: v for k, v in env().items() if k != "FASTGEN_DISABLE"}
+            paths[f"upstream-with-fastgen-{name}"] = root / f"upstream-with-fastgen-{name}.txt"
+            later.append(["generate", base_args(paths) + extra, str(paths[f"upstream-with-fastgen-{name}"])])
+    steps += [["import fastgen", [], None], *later]
     subprocess.run(
-        [sys.executable, "-c", _UPSTREAM_DRIVER, json.dumps(with_fastgen), "fastgen"], **{**run, "env": fastgen_env}
+        [sys.executable, "-c", _DRIVER, json.dumps(steps)], env=env(), cwd=root, check=True, capture_output=True
     )
     return paths
 
