@@ -143,3 +143,19 @@ def test_resume_refuses_other_arguments(setup, tmp_path, capsys, monkeypatch):
     argv[argv.index("--beam") + 1] = "3"
     assert main([*argv, "--resume", "--no-progress-bar"]) == 1
     assert "different settings" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_equal_one(setup, tmp_path, capsys, monkeypatch):
+    argv = [*fairseq_setup.base_args(setup), "--beam", "4", "--batch-size", "4", "--postprocess-workers", "0"]
+    fastgen_generate([*argv, "--results-path", str(tmp_path / "one")], capsys, monkeypatch)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*torchrun, "-m", "fastgen.cli.generate", *argv, "--results-path", str(tmp_path / "two"), "--no-progress-bar"],
+        env={**fairseq_setup.env(), "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        capture_output=True,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    one = (tmp_path / "one" / "generate-test.txt").read_text()
+    assert (tmp_path / "two" / "generate-test.txt").read_text() == one
+    assert one.count("\nH-") >= 20
