@@ -273,15 +273,18 @@ def _run(
         distributed.shutdown(world)
     if not world.is_main:
         return 0
-    _summary(lines, invalid, progress, elapsed)
+    _summary(lines, invalid, progress, elapsed, world)
     if args.reference is not None:
         _score(args.output, args.reference, lines)
     return 0
 
 
-def _summary(lines: list[InputLine], invalid: list[InputLine], progress: Progress, elapsed: float) -> None:
+def _summary(
+    lines: list[InputLine], invalid: list[InputLine], progress: Progress, elapsed: float, world: distributed.World
+) -> None:
     logger.info(
-        "generated %d of %d inputs (%d tokens) in %.1fs: %.2f samples/s, %.1f tokens/s",
+        "%sgenerated %d of %d inputs (%d tokens) in %.1fs: %.2f samples/s, %.1f tokens/s",
+        f"rank 0 of {world.size}: " if world.size > 1 else "",
         progress.samples,
         len(lines),
         progress.tokens,

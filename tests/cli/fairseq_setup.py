@@ -89,10 +89,11 @@ def _write_split(root: Path, split: str, n: int, rng: random.Random) -> None:
     (root / f"{split}.tgt").write_text("\n".join(tgt) + "\n")
 
 
-def build(root: Path) -> dict[str, Path]:
+def build(root: Path, test_size: int = 30, configs: dict[str, list[str]] | None = None) -> dict[str, Path]:
     """Data, checkpoint and upstream outputs under ``root``; returns their paths."""
+    root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
-    for split, n in (("train", 200), ("valid", 20), ("test", 30)):
+    for split, n in (("train", 200), ("valid", 20), ("test", test_size)):
         _write_split(root, split, n, rng)
     paths = {"root": root, "data": root / "bin", "ckpt": root / "ckpt" / "checkpoint_last.pt"}
     arch = ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1"]
@@ -148,7 +149,7 @@ def build(root: Path) -> dict[str, Path]:
         ],
     ]
     later = []
-    for name, extra in CONFIGS.items():
+    for name, extra in (CONFIGS if configs is None else configs).items():
         paths[f"upstream-{name}"] = root / f"upstream-{name}.txt"
         steps.append(["generate", base_args(paths) + extra, str(paths[f"upstream-{name}"])])
         if name in WITH_FASTGEN_ORACLE:
