@@ -21,7 +21,8 @@ def add_pipeline_args(group: argparse._ActionsContainer) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="post-processing worker processes (default: CPUs - 1, at most 4; 0: in a background thread)",
+        help="post-processing worker processes (default on CUDA: CPUs - 1, at most 4; on CPU: 0, i.e. "
+        "post-process in a background thread)",
     )
     group.add_argument(
         "--no-pipeline",
@@ -30,7 +31,12 @@ def add_pipeline_args(group: argparse._ActionsContainer) -> None:
     )
 
 
-def default_workers() -> int:
+def default_workers(on_cuda: bool) -> int:
+    """Worker processes pay a start-up (imports) and, on CPU, compete with generation for the same
+    cores: measured on a 2-core CPU they cost more than they save (benchmarks/results/
+    cli-pipeline-cpu.json), so CPU runs post-process in the background thread by default."""
+    if not on_cuda:
+        return 0
     return max(1, min(4, (os.cpu_count() or 2) - 1))
 
 

@@ -68,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Start the worker processes first: their `import fairseq` then overlaps the main process's.
     early = argparse.ArgumentParser(add_help=False)
     add_pipeline_args(early)
+    early.add_argument("--cpu", action="store_true")
     executor = _start_workers(early.parse_known_args(argv)[0])
     args = parse_args(argv)
     try:
@@ -322,7 +323,11 @@ def _start_workers(args: argparse.Namespace) -> Any:
 def _worker_count(args: argparse.Namespace) -> int:
     if args.no_pipeline:
         return 0
-    return default_workers() if args.postprocess_workers is None else args.postprocess_workers
+    if args.postprocess_workers is not None:
+        return args.postprocess_workers
+    import torch
+
+    return default_workers(torch.cuda.is_available() and not args.cpu)
 
 
 def _share_state(state: dict[str, Any], executor: Any) -> str | None:

@@ -167,9 +167,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     kwargs = generate_kwargs(args)
     causal = not AutoConfig.from_pretrained(args.model_dir).is_encoder_decoder
-    workers = (
-        0 if args.no_pipeline else default_workers() if args.postprocess_workers is None else args.postprocess_workers
-    )
+    workers = args.postprocess_workers
+    if args.no_pipeline:
+        workers = 0
+    elif workers is None:
+        workers = default_workers(device.startswith("cuda"))
     executor = make_executor(workers, "process", init_worker, (str(args.model_dir), causal))
     try:
         return _run(args, world, device, kwargs, causal, executor)

@@ -8,6 +8,7 @@ fastgen's patches on, and its stdout must equal upstream's result lines byte for
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import re
 import subprocess
@@ -159,3 +160,32 @@ def test_two_gloo_processes_equal_one(setup, tmp_path, capsys, monkeypatch):
     one = (tmp_path / "one" / "generate-test.txt").read_text()
     assert (tmp_path / "two" / "generate-test.txt").read_text() == one
     assert one.count("\nH-") >= 20
+
+
+def _without_weights_only_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD"):
+        monkeypatch.setenv(name, "0")  # recorded, so the test's changes are undone afterwards
+        monkeypatch.delenv(name)
+
+
+def test_loads_fairseq_checkpoints_on_current_torch_by_itself(setup, capsys, monkeypatch, caplog):
+    from fastgen.cli.generate import main
+
+    _without_weights_only_env(monkeypatch)
+    caplog.set_level(logging.INFO, logger="fastgen.cli")
+    assert (
+        main([*fairseq_setup.base_args(setup), "--beam", "2", "--postprocess-workers", "0", "--no-progress-bar"]) == 0
+    )
+    assert "weights_only=False" in caplog.text
+    assert capsys.readouterr().out.count("\nH-") >= 20
+
+
+def test_weights_only_loading_gives_a_clear_error(setup, capsys, monkeypatch):
+    from fastgen.cli.generate import main
+
+    _without_weights_only_env(monkeypatch)
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    assert main([*fairseq_setup.base_args(setup), "--beam", "2", "--postprocess-workers", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot load the checkpoint" in err
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" in err
