@@ -44,6 +44,7 @@ def fairseq_variants(root: Path, sentences: int, batch: int) -> tuple[dict, dict
 
     setup = fairseq_setup.build(root, test_size=sentences, configs={})
     base = [*fairseq_setup.base_args(setup), "--beam", "4", "--batch-size", str(batch), "--no-progress-bar"]
+    base += ["--num-workers", "0"]  # fairseq's DataLoader process start-up is noise here
     base[base.index("--max-len-b") + 1] = "24"
 
     def upstream(out: Path, patched: bool) -> None:
@@ -151,12 +152,45 @@ def measure(variants: dict, reps: int, root: Path, sentences: int, hf: bool) -> 
     return {"variants": rows, "identical_outputs": all(text == first for text in outputs.values())}
 
 
+def readme_table(result: dict) -> str:
+    """The README's CLI benchmark table, from the JSON."""
+    env = result["environment"]
+    rows = ["| framework | variant | median s | samples/s | vs first row | runs (s) |", "|---|---|---|---|---|---|"]
+    for framework in ("fairseq", "hf"):
+        for name, v in result[framework]["variants"].items():
+            runs = ", ".join(f"{x:.2f}" for x in v["seconds"])
+            rows.append(
+                f"| {framework} | {name} | {v['median_s']:.2f} | {v['samples_per_s']:.1f} | "
+                f"{v['speedup_vs_first']:.2f}× | {runs} |"
+            )
+    return (
+        f"`{result['command']}` ({env['device']}, {env['cpu_count']} cores, {env['torch_threads']} torch thread, "
+        f"load average {' '.join(env['loadavg_before'])} before, {' '.join(env['loadavg_after'])} after; commit "
+        f"{env['git_commit']}; identical outputs across variants: fairseq {result['fairseq']['identical_outputs']}, "
+        f"HF {result['hf']['identical_outputs']}):\n\n" + "\n".join(rows)
+    )
+
+
+def update_readme(result: dict) -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    begin, end = "<!-- cli-bench:begin -->", "<!-- cli-bench:end -->"
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    readme.write_text(f"{head}{begin}\n{readme_table(result)}\n{end}{tail}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sentences", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--readme", action="store_true", help="only rewrite the README table from the JSON")
     args = parser.parse_args()
+    path = ROOT / "benchmarks" / "results" / "cli-pipeline-cpu.json"
+    if args.readme:
+        update_readme(json.loads(path.read_text()))
+        return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     result = {
         "benchmark": "cli-pipeline",
@@ -191,8 +225,8 @@ def main() -> None:
         variants, settings = hf_variants(Path(tmp) / "hf", args.sentences, args.batch_size)
         result["hf"] = {"settings": settings, **measure(variants, args.reps, Path(tmp) / "hf", args.sentences, hf=True)}
     result["environment"]["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
-    path = ROOT / "benchmarks" / "results" / "cli-pipeline-cpu.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
+    update_readme(result)
     print(json.dumps(result, indent=2))
 
 

@@ -173,12 +173,17 @@ def run(args: argparse.Namespace, argv: list[str], executor: Any = None) -> int:
     generator = task.build_generator(
         models, cfg.generation, extra_gen_cls_kwargs={"lm_model": lms[0], "lm_weight": cfg.generation.lm_weight}
     )
-    strip = getattr(generator, "symbols_to_strip_from_output", None) or {generator.eos}
+    if hasattr(generator, "symbols_to_strip_from_output"):
+        strip = generator.symbols_to_strip_from_output
+    else:
+        strip = {generator.eos}
+    tokenizer = task.build_tokenizer(cfg.tokenizer)
+    bpe = task.build_bpe(cfg.bpe)
     state = {
         "src_dict": src_dict,
         "tgt_dict": tgt_dict,
-        "bpe": task.build_bpe(cfg.bpe),
-        "tokenizer": task.build_tokenizer(cfg.tokenizer),
+        "bpe": bpe,
+        "tokenizer": tokenizer,
         "align_dict": align_dict,
         "post_process": cfg.common_eval.post_process,
         "symbols_to_strip": strip,
