@@ -127,6 +127,7 @@ def test_resume_after_kill_equals_uninterrupted_run(setup, tmp_path, capsys, mon
     assert output.read_text() == expected
 
 
+@pytest.mark.slow  # the journal's own test covers the check; this one adds a whole generation run
 def test_resume_refuses_other_arguments(setup, tmp_path, capsys, monkeypatch):
     results = tmp_path / "out"
     argv = [
