@@ -16,7 +16,7 @@ if [ -n "$TRANSFORMERS" ]; then
   want_check="$want_check; from packaging.requirements import Requirement as R; import sys; \
 sys.exit(transformers.__version__ not in R('$TRANSFORMERS').specifier)"
 fi
-if ! { [ -x "$VENV/bin/ruff" ] && "$VPY" -c "$want_check"; } >/dev/null 2>&1; then
+if ! { [ -x "$VENV/bin/ruff" ] && [ -x "$VENV/bin/fastgen-generate-hf" ] && "$VPY" -c "$want_check"; } >/dev/null 2>&1; then
   "$VPY" -m pip install -q --upgrade pip
   # torch: the CPU build (a plain "torch" may pull a multi-GB CUDA build). Keep a torch already present.
   "$VPY" -c "import torch" >/dev/null 2>&1 || "$VPY" -m pip install -q "torch==${FASTGEN_TORCH_VERSION:-2.13.0}"

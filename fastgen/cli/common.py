@@ -1,0 +1,70 @@
+"""What both CLIs share: pipeline options, logging to stderr, checkpoint loading, clean failures."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+logger = logging.getLogger("fastgen.cli")
+
+
+def add_pipeline_args(group: argparse._ActionsContainer) -> None:
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run from the valid prefix of its output (needs an output file)",
+    )
+    group.add_argument(
+        "--postprocess-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="post-processing worker processes (default on CUDA: CPUs - 1, at most 4; on CPU: 0, i.e. "
+        "post-process in a background thread)",
+    )
+    group.add_argument(
+        "--no-pipeline",
+        action="store_true",
+        help="post-process each batch before generating the next (the synchronous path, for comparison)",
+    )
+
+
+def default_workers(on_cuda: bool) -> int:
+    """Worker processes pay a start-up (imports) and, on CPU, compete with generation for the same
+    cores: measured on a 2-core CPU they cost more than they save (benchmarks/results/
+    cli-pipeline-cpu.json), so CPU runs post-process in the background thread by default."""
+    if not on_cuda:
+        return 0
+    return max(1, min(4, (os.cpu_count() or 2) - 1))
+
+
+def setup_logging() -> None:
+    """fairseq's log format, on stderr: the output stream carries results only."""
+    logging.basicConfig(
+        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        level=os.environ.get("LOGLEVEL", "INFO").upper(),
+        stream=sys.stderr,
+    )
+
+
+def allow_full_checkpoint_loading() -> None:
+    """fairseq checkpoints pickle argparse/omegaconf objects, which torch>=2.6's default
+    ``torch.load(weights_only=True)`` refuses. Allow them for this process, saying so once,
+    unless the user forces weights-only loading."""
+    if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in {"1", "true", "yes", "y"}:
+        return
+    if os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD") is None:
+        os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+        logger.info(
+            "loading checkpoints with torch.load(weights_only=False) as fairseq needs on torch>=2.6 "
+            "(it unpickles Python objects: load only checkpoints you trust; "
+            "TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 refuses them)"
+        )
+
+
+def fail(message: str, code: int = 1) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
