@@ -45,20 +45,15 @@ reference therefore calls ``torch.topk`` itself, which is what keeps it identica
 
 from __future__ import annotations
 
-import importlib
-import logging
-import os
 from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
-logger = logging.getLogger("fastgen")
-_warned: set[str] = set()
+from fastgen.ops._dispatch import BACKENDS, TritonKernels, choose_backend, device_problem, without_cuda_device
 
 __all__ = ["BACKENDS", "BeamTopK", "available_backends", "beam_topk", "log_probs_top_k"]
 
-BACKENDS = ("cuda", "triton", "torch")
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: most candidates a kernel keeps per chunk (each is one reduction round over the chunk)
 KERNEL_MAX_K = 256
@@ -70,12 +65,6 @@ class BeamTopK(NamedTuple):
     scores: torch.Tensor  # float32: log-prob of the token + the beam's running score
     beams: torch.Tensor  # int64 in [0, M): which beam of the input it continues
     tokens: torch.Tensor  # int64 in [0, V)
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning("fastgen: %s", message)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,7 +208,7 @@ def _run_kernel(
         assert ext is not None  # _unsupported() checked it
         ext.beam_topk_retrieve(logits, mask, k, chunk, cand_values, cand_tokens, chunk_max, chunk_sum)
     else:
-        kernels = _load_triton()
+        kernels = _TRITON.load()
         assert kernels is not None
         kernels.retrieve(logits, mask, k, chunk, cand_values, cand_tokens, chunk_max, chunk_sum)
     return _merge_candidates(cand_values, cand_tokens, chunk_max, chunk_sum, mask, beam_scores, vocab, k)
@@ -229,24 +218,7 @@ def _run_kernel(
 # backends (same rules as fastgen.ops.ngram)
 # --------------------------------------------------------------------------------------------------
 
-_triton_module: ModuleType | None = None
-_triton_reason: str | None = None
-_triton_tried = False
-
-
-def _load_triton() -> ModuleType | None:
-    """Import the Triton kernel on first use (``import fastgen`` must not pay for Triton)."""
-    global _triton_module, _triton_reason, _triton_tried
-    if not _triton_tried:
-        _triton_tried = True
-        try:
-            module = importlib.import_module("fastgen.ops.triton.beam_topk")
-        except Exception as exc:  # any import failure means "not this backend", never a crash
-            _triton_reason = f"Triton kernels failed to import: {type(exc).__name__}: {exc}"
-            logger.warning("fastgen: beam top-k skips the Triton backend: %s", _triton_reason)
-        else:
-            _triton_module = module
-    return _triton_module
+_TRITON = TritonKernels("fastgen.ops.triton.beam_topk", "beam top-k")
 
 
 def _load_cuda() -> ModuleType | None:
@@ -254,10 +226,6 @@ def _load_cuda() -> ModuleType | None:
 
     module = _ext.load()
     return module if module is not None and hasattr(module, "beam_topk_retrieve") else None
-
-
-def _triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def _unsupported(backend: str, logits: torch.Tensor, k: int) -> str | None:
@@ -270,53 +238,20 @@ def _unsupported(backend: str, logits: torch.Tensor, k: int) -> str | None:
         return "logits rows are not contiguous"
     if k > KERNEL_MAX_K:
         return f"k = {k} > {KERNEL_MAX_K}"
-    if backend == "cuda":
-        if logits.device.type != "cuda":
-            return f"tensors on {logits.device.type}, not CUDA"
-        if _load_cuda() is None:
-            from fastgen.ops import _ext
-
-            return f"CUDA extension unavailable: {_ext.unavailable_reason() or 'built without beam_topk_retrieve'}"
-        return None
-    if backend == "triton":
-        if logits.device.type != "cuda" and not (logits.device.type == "cpu" and _triton_interpreted()):
-            return f"tensors on {logits.device.type} (Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1)"
-        if _load_triton() is None:
-            return _triton_reason
-        return None
-    return f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})"
+    return device_problem(backend, logits.device.type, _load_cuda, _TRITON)
 
 
 def _choose_backend(forced_backend: str | None, logits: torch.Tensor, k: int) -> str:
-    """``backend=`` if given (raises if it cannot serve the call), else ``FASTGEN_BACKEND`` if it can
-    (one warning per reason otherwise), else CUDA extension → Triton on CUDA tensors, torch on CPU."""
-    if forced_backend is not None:
-        reason = _unsupported(forced_backend, logits, k)
-        if reason is not None:
-            raise RuntimeError(f"beam top-k: backend {forced_backend!r} cannot run this call: {reason}")
-        return forced_backend
-    preferred = os.environ.get("FASTGEN_BACKEND", "").strip().lower() or None
-    if preferred is not None:
-        reason = _unsupported(preferred, logits, k) if preferred in BACKENDS else "unknown backend"
-        if reason is None:
-            return preferred
-        _warn_once(f"beam top-k: FASTGEN_BACKEND={preferred!r} cannot run this call ({reason}); using the default")
-    if logits.device.type == "cuda":
-        for backend in ("cuda", "triton"):
-            if _unsupported(backend, logits, k) is None:
-                return backend
-    return "torch"
+    """The backend for this call, by the rule of :mod:`fastgen.ops._dispatch`."""
+    problem = lambda backend: _unsupported(backend, logits, k)  # noqa: E731
+    return choose_backend("beam top-k", forced_backend, problem, logits.device.type)
 
 
 def available_backends(device: str | torch.device = "cuda") -> dict[str, str | None]:
     """Each backend with None if it can run float32 calls on ``device``, else the reason why not."""
     device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        from fastgen.ops import _ext
-
-        _ext.load()
-        reason = _ext.unavailable_reason() or "no CUDA device"
-        return {"cuda": reason, "triton": "no CUDA device", "torch": None}
+    if device.type == "cuda" and (missing := without_cuda_device()) is not None:
+        return missing
     logits = torch.empty(1, 2, device=device)
     return {backend: _unsupported(backend, logits, 2) for backend in BACKENDS}
 

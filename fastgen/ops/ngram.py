@@ -28,28 +28,14 @@ functions :func:`ban_repeated_ngrams` and :func:`ban_encoder_ngrams` with their 
 
 from __future__ import annotations
 
-import importlib
-import logging
-import os
 from types import ModuleType
 
 import torch
 
-from fastgen._log import origin
-
-logger = logging.getLogger("fastgen")
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning("%s%s", origin(), message)
-
+from fastgen.ops._dispatch import BACKENDS, TritonKernels, choose_backend, device_problem, without_cuda_device
 
 __all__ = ["BACKENDS", "available_backends", "ban_encoder_ngrams", "ban_repeated_ngrams"]
 
-BACKENDS = ("cuda", "triton", "torch")
 _KERNEL_SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KERNEL_TOKEN_DTYPES = (torch.int32, torch.int64)
 
@@ -210,34 +196,13 @@ def _ban_torch(
 # backends
 # --------------------------------------------------------------------------------------------------
 
-_triton_module: ModuleType | None = None
-_triton_reason: str | None = None
-_triton_tried = False
-
-
-def _load_triton() -> ModuleType | None:
-    """Import the Triton kernels on first use (``import fastgen`` must not pay for Triton)."""
-    global _triton_module, _triton_reason, _triton_tried
-    if not _triton_tried:
-        _triton_tried = True
-        try:
-            module = importlib.import_module("fastgen.ops.triton.ngram")
-        except Exception as exc:  # any import failure means "not this backend", never a crash
-            _triton_reason = f"Triton kernels failed to import: {type(exc).__name__}: {exc}"
-            logger.warning("%sn-gram blocking skips the Triton backend: %s", origin(), _triton_reason)
-        else:
-            _triton_module = module
-    return _triton_module
+_TRITON = TritonKernels("fastgen.ops.triton.ngram", "n-gram blocking")
 
 
 def _load_cuda() -> ModuleType | None:
     from fastgen.ops import _ext
 
     return _ext.load()
-
-
-def _triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def _unsupported(backend: str, hay: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor) -> str | None:
@@ -250,58 +215,21 @@ def _unsupported(backend: str, hay: torch.Tensor, tokens: torch.Tensor, scores: 
         return f"token dtype {tokens.dtype}/{hay.dtype} (kernels take int32/int64)"
     if scores.stride(1) != 1:
         return "scores rows are not contiguous"
-    if backend == "cuda":
-        if scores.device.type != "cuda":
-            return f"tensors on {scores.device.type}, not CUDA"
-        if _load_cuda() is None:
-            from fastgen.ops import _ext
-
-            return f"CUDA extension unavailable: {_ext.unavailable_reason()}"
-        return None
-    if backend == "triton":
-        if scores.device.type != "cuda" and not (scores.device.type == "cpu" and _triton_interpreted()):
-            return f"tensors on {scores.device.type} (Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1)"
-        if _load_triton() is None:
-            return _triton_reason
-        return None
-    return f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})"
+    return device_problem(backend, scores.device.type, _load_cuda, _TRITON)
 
 
 def _choose_backend(forced: str | None, hay: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor) -> str:
-    """The backend for this call: ``backend=`` if given, else ``FASTGEN_BACKEND`` if it can serve it,
-    else the first that can (CUDA extension → Triton on CUDA tensors, torch otherwise).
-
-    An explicit ``backend=`` that cannot serve the call raises (forcing is for measuring and
-    bisecting; a silent fallback would hide what runs). ``FASTGEN_BACKEND`` is process-wide and
-    applies to every op, so a call it cannot serve falls back, with one warning per reason.
-    """
-    if forced is not None:
-        reason = _unsupported(forced, hay, tokens, scores)
-        if reason is not None:
-            raise RuntimeError(f"n-gram blocking: backend {forced!r} cannot run this call: {reason}")
-        return forced
-    preferred = os.environ.get("FASTGEN_BACKEND", "").strip().lower() or None
-    if preferred is not None:
-        reason = _unsupported(preferred, hay, tokens, scores) if preferred in BACKENDS else "unknown backend"
-        if reason is None:
-            return preferred
-        _warn_once(f"n-gram blocking: FASTGEN_BACKEND={preferred!r} cannot run this call ({reason}); using the default")
-    if scores.device.type == "cuda":
-        for backend in ("cuda", "triton"):
-            if _unsupported(backend, hay, tokens, scores) is None:
-                return backend
-    return "torch"
+    """The backend for this call, by the rule of :mod:`fastgen.ops._dispatch`."""
+    return choose_backend(
+        "n-gram blocking", forced, lambda backend: _unsupported(backend, hay, tokens, scores), scores.device.type
+    )
 
 
 def available_backends(device: str | torch.device = "cuda") -> dict[str, str | None]:
     """Each backend with None if it can run float32/int64 calls on ``device``, else the reason why not."""
     device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        from fastgen.ops import _ext
-
-        _ext.load()
-        reason = _ext.unavailable_reason() or "no CUDA device"
-        return {"cuda": reason, "triton": "no CUDA device", "torch": None}
+    if device.type == "cuda" and (missing := without_cuda_device()) is not None:
+        return missing
     scores = torch.empty(1, 1, device=device)
     tokens = torch.empty(1, 1, dtype=torch.int64, device=device)
     return {backend: _unsupported(backend, tokens, tokens, scores) for backend in BACKENDS}
@@ -328,7 +256,7 @@ def _run(
             hay = hay.to(tokens.dtype)
         ext.ngram_ban(hay, tokens, lengths, scalar, scores, n, beams, decoder)
         return
-    kernels = _load_triton()
+    kernels = _TRITON.load()
     assert kernels is not None
     kernels.ban_ngrams(hay, tokens, lengths, scalar, scores, n, beams, decoder)
 

@@ -27,6 +27,7 @@ from transformers.generation.logits_process import (
 
 import fastgen
 from fastgen.ops import _ext, ngram
+from fastgen.ops._dispatch import TritonKernels
 from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -423,13 +424,11 @@ def test_import_does_not_load_triton():
 
 
 def test_triton_import_failure_is_reported_once_and_skipped(monkeypatch, caplog):
-    monkeypatch.setattr(ngram, "_triton_tried", False)
-    monkeypatch.setattr(ngram, "_triton_module", None)
-    monkeypatch.setattr(ngram, "_triton_reason", None)
+    monkeypatch.setattr(ngram, "_TRITON", TritonKernels("fastgen.ops.triton.ngram", "n-gram blocking"))
     monkeypatch.setitem(sys.modules, "fastgen.ops.triton.ngram", None)  # makes the import fail
     with caplog.at_level(logging.WARNING, logger="fastgen"):
-        assert ngram._load_triton() is None
-        assert ngram._load_triton() is None
+        assert ngram._TRITON.load() is None
+        assert ngram._TRITON.load() is None
     assert len([r for r in caplog.records if "Triton" in r.getMessage()]) == 1
     tokens, scores = torch.tensor([[1, 2, 1]]), torch.zeros(1, 4)
     assert "failed to import" in ngram._unsupported("triton", tokens, tokens, scores.cuda() if HAS_CUDA else scores)
