@@ -139,17 +139,21 @@ def test_opt_in_only():
         assert registry.feature_enabled("beam")
 
 
-def test_removal_needs_plain_caches():
-    """fastgen's dedup caches keep shared rows: finished-input removal needs an input-group select there."""
+def test_removal_needs_an_input_group_select_on_other_caches():
+    """Plain caches drop hypothesis rows; fastgen's dedup caches select per input (INPUT_SELECT); others keep all."""
+    from fastgen.models.decoder_only import SharedPrefixCache
     from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
+
+    class OtherCache(DynamicCache):
+        pass
 
     plain = EncoderDecoderCache(DynamicCache(), DynamicCache())
     assert beam_search._removal_problem({"past_key_values": plain, "attention_mask": torch.ones(2, 3)}) is None
     shared = BeamSharedCrossAttentionCache.from_cache(plain)
-    assert (
-        "BeamSharedCrossAttentionCache has no input-group select (batch_select_inputs)"
-        in beam_search._removal_problem({"past_key_values": shared})
-    )
+    assert beam_search._removal_problem({"past_key_values": shared}) is None
+    prefix = SharedPrefixCache(2, hypotheses=6, group_size=3, attention_ready=lambda: True)
+    assert beam_search._removal_problem({"past_key_values": prefix}) is None
+    assert "OtherCache has no input-group select" in beam_search._removal_problem({"past_key_values": OtherCache()})
     assert "model kwarg 'pixel_values'" in beam_search._removal_problem({"pixel_values": torch.ones(1)})
 
 
@@ -180,34 +184,47 @@ def test_finished_inputs_leave_the_batch(models, steps, dropped, family, case):
         assert dropped["n"] > 0, "no input left the batch"
 
 
-def test_dedup_caches_keep_every_input(models, dropped):
-    """With dedup's shared caches removal is off (they need an input-group select), outputs still equal."""
-    model = models["bart"]
-    inputs = harness.tiny_inputs(model, batch=5)
-    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
-    harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
-    assert dropped["n"] == 0
-
-
-def test_dedup_cache_with_an_input_group_select_lets_inputs_leave(models, steps, dropped, monkeypatch):
-    """The hook the dedup caches need (see INPUT_SELECT), sketched here for the shared cross-attention
-    cache on top of the generic Cache API: hypothesis rows of the self cache, input rows of the cross one."""
+def assert_still_shared(cache: Any, beams: int) -> int:
+    """The cache a dedup call decoded with still shares its per-input rows; returns the inputs left in it."""
+    from fastgen.models.decoder_only import SharedPrefixCache
     from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
 
-    def batch_select_inputs(self, keep, beams):
-        hyp_rows = (keep[:, None] * beams + torch.arange(beams, device=keep.device)).reshape(-1)
-        shared = [layer.keys.shape[0] for layer in self.cross_attention_cache.layers if layer.is_initialized]
-        per_input = bool(shared) and shared[0] * beams == self.self_attention_cache.layers[0].keys.shape[0]
-        self.self_attention_cache.batch_select_indices(hyp_rows)
-        self.cross_attention_cache.batch_select_indices(keep if per_input and beams > 1 else hyp_rows)
+    if isinstance(cache, BeamSharedCrossAttentionCache):
+        assert cache.group_size() == beams
+        inputs = {layer.keys.shape[0] for layer in cache.cross_attention_cache.layers}
+        hypotheses = {layer.keys.shape[0] for layer in cache.self_attention_cache.layers}
+    else:
+        assert isinstance(cache, SharedPrefixCache), type(cache)
+        assert all(layer.prefix_keys is not None and layer.group_size() == beams for layer in cache.layers)
+        inputs = {layer.prefix_keys.shape[0] for layer in cache.layers}
+        hypotheses = {layer.keys.shape[0] for layer in cache.layers} | {layer.hypotheses for layer in cache.layers}
+    assert len(inputs) == 1 and hypotheses == {next(iter(inputs)) * beams}, (inputs, hypotheses)
+    return next(iter(inputs))
 
-    monkeypatch.setattr(BeamSharedCrossAttentionCache, "batch_select_inputs", batch_select_inputs, raising=False)
-    for family in harness.ENCODER_DECODER:
-        model = models[family]
-        inputs = harness.tiny_inputs(model, batch=5)
-        kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
-        harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
-    assert steps["n"] > 0 and dropped["n"] > 0
+
+@pytest.mark.parametrize("family", list(harness.HF_FAMILIES))
+def test_inputs_leave_the_batch_with_the_dedup_caches_still_shared(models, steps, dropped, family):
+    """dedup + ngram + beam: finished inputs leave, the shared cross-attention / prompt rows follow them."""
+    from fastgen.optimizer.transformers.returned_cache import DEDUP_CACHES
+
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    case = CASES["lp0.5-early-ret3-norepeat"]
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **case)
+    with harness.recorded_caches(model) as caches:
+        reference, _, report = harness.assert_same_generation(
+            model, inputs, features=FEATURES, with_report=True, **kwargs
+        )
+    assert report.fast_path("dedup") and report.fast_path("beam") and not report.fell_back, str(report)
+    assert steps["n"] > 0
+    shared = [cache for cache in caches if isinstance(cache, DEDUP_CACHES)]
+    assert len(shared) == 1, caches  # the patched call's (upstream's call records a plain one)
+    left = assert_still_shared(shared[0], case["num_beams"])
+    if family in SPREAD:
+        assert len(finish_steps(model, inputs, reference)) >= 2, "inputs must finish at different steps"
+    if family != "gpt2":  # the tiny gpt2 freezes no input early
+        assert dropped["n"] > 0 and left < 5, "no input left the batch"
+        assert "finished inputs left the batch" in report.ran["beam"]
 
 
 @pytest.mark.parametrize("family", ["bart", "t5", "llama"])
@@ -219,3 +236,40 @@ def test_encoder_ngrams_follow_the_inputs_that_stay(models, steps, dropped, fami
     kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **case)
     harness.assert_same_generation(model, inputs, features=["beam", "ngram"], **kwargs)
     assert steps["n"] > 0 and dropped["n"] > 0
+
+
+@pytest.mark.parametrize("prefix_rows", [2, 6])  # shared per input, or a prefill that ran per hypothesis
+def test_input_select_equals_a_row_select_of_upstreams_layout(prefix_rows):
+    """Selecting inputs on a dedup cache gives, in upstream's layout, exactly upstream's row selection."""
+    from fastgen.models._caches import hypothesis_rows
+    from fastgen.models.decoder_only import SharedPrefixCache
+    from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
+
+    torch.manual_seed(0)
+    keep, beams = torch.tensor([1]), 3
+    rows = hypothesis_rows(keep, beams)
+    prefix = SharedPrefixCache(2, hypotheses=6, group_size=beams, attention_ready=lambda: True)
+    for layer in range(2):
+        prefix.update(torch.randn(prefix_rows, 2, 4, 8), torch.randn(prefix_rows, 2, 4, 8), layer)
+        prefix.update(torch.randn(6, 2, 1, 8), torch.randn(6, 2, 1, 8), layer)
+    cross = BeamSharedCrossAttentionCache(DynamicCache(), DynamicCache())
+    for layer in range(2):
+        cross.self_attention_cache.update(torch.randn(6, 2, 3, 8), torch.randn(6, 2, 3, 8), layer)
+        cross.cross_attention_cache.update(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), layer)
+
+    def upstream_tensors(cache):
+        plain = cache.to_upstream()
+        subs = [plain] if isinstance(plain, DynamicCache) else [plain.self_attention_cache, plain.cross_attention_cache]
+        return [t for sub in subs for layer in sub.layers for t in (layer.keys, layer.values)]
+
+    for cache in (prefix, cross):
+        before = [tensor[rows] for tensor in upstream_tensors(cache)]
+        cache.batch_select_inputs(keep, beams)
+        after = upstream_tensors(cache)
+        assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    layer = prefix.layers[0]
+    if prefix_rows == 2:  # still one prompt row per input
+        assert layer.prefix_keys.shape[0] == 1 and layer.group_size() == beams and layer.hypotheses == beams
+    else:  # per-hypothesis prefill: folded, plain per-hypothesis rows
+        assert layer.prefix_keys is None and layer.keys.shape[0] == beams
+    assert cross.cross_attention_cache.layers[0].keys.shape[0] == 1 and cross.group_size() == beams

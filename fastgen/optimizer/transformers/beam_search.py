@@ -19,16 +19,16 @@ What changes against HF 5.23's loop, and why the outputs stay token-identical:
   ``early_stopping=True``): their rows of every running tensor, ``model_kwargs`` and the cache go,
   and results are written back in input order. Needs ``return_dict_in_generate=False`` (the caller
   would otherwise get a smaller cache back) and upstream's plain ``DynamicCache`` /
-  ``EncoderDecoderCache`` or a cache with the :data:`INPUT_SELECT` method; otherwise every input
-  stays, as upstream.
+  ``EncoderDecoderCache`` or a cache with the :data:`INPUT_SELECT` method (fastgen's dedup caches
+  have it: their shared cross-attention / prompt rows follow the inputs and stay shared); otherwise
+  every input stays, as upstream.
 
 Anything else goes to the original ``_beam_search`` for the whole call, with one warning naming
 the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_logits`` /
 ``output_attentions`` / ``output_hidden_states``, any other logits processor (value-changing ones,
 custom ones, multi-token bad words, ...) or stopping criterion.
 
-Not done yet (issue 8, deliverable 2): fastgen's dedup caches do not have :data:`INPUT_SELECT` yet,
-so with ``dedup`` on no input leaves; the stop check syncs every step (free on CPU; every k steps
+Not done yet (issue 8, deliverable 2): the stop check syncs every step (free on CPU; every k steps
 on GPUs is the plan); the loop is not wired to the GPU kernels (it uses the exact torch path).
 """
 
@@ -57,8 +57,10 @@ from transformers.generation.utils import (
     GenerateBeamEncoderDecoderOutput,
 )
 
+from fastgen.models._caches import hypothesis_rows
 from fastgen.ops.beam_topk import log_probs_top_k
 from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
+from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback
 from fastgen.optimizer.transformers import ngram as ngram_patches
 
@@ -191,8 +193,8 @@ def _removal_problem(model_kwargs: dict[str, Any]) -> str | None:
             return f"model kwarg {key!r}"
     cache = next((model_kwargs[key] for key in ALL_CACHE_NAMES if key in model_kwargs), None)
     if cache is not None and not _is_plain_dynamic(cache) and not callable(getattr(cache, INPUT_SELECT, None)):
-        # fastgen's dedup caches keep one row per input for shared K/V; their batch_select_indices
-        # un-shares everything (per-row copies), so they need the input-group select below.
+        # a cache keeping one row per input for shared K/V (fastgen's dedup caches) would be un-shared by
+        # batch_select_indices (per-row copies): it needs the input-group select.
         return f"cache {type(cache).__name__} has no input-group select ({INPUT_SELECT})"
     return None
 
@@ -216,7 +218,7 @@ def _select_rows(value: Any, hyp_rows: torch.Tensor, input_rows: torch.Tensor, b
 
 def _drop_inputs(model_kwargs: dict[str, Any], keep: torch.Tensor, batch: int, beams: int) -> None:
     """Shrink model_kwargs and the cache to the inputs in ``keep`` (local indices), in place."""
-    hyp_rows = (keep[:, None] * beams + torch.arange(beams, device=keep.device)).reshape(-1)
+    hyp_rows = hypothesis_rows(keep, beams)
     for key in list(model_kwargs):
         if key in _SELECTABLE:
             model_kwargs[key] = _select_rows(model_kwargs[key], hyp_rows, keep, batch, beams)
@@ -246,6 +248,7 @@ def make_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(
                 self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **model_kwargs
             )
+        report.note_ran(FEATURE, "fastgen's beam search loop")
         return _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
     return beam_search
@@ -413,6 +416,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
                 final_scores[active[gone]] = beam_scores[gone]
                 final_indices[active[gone]] = beam_indices[gone]
                 _drop_inputs(model_kwargs, keep, batch_size, num_beams)
+                report.note_ran(FEATURE, "finished inputs left the batch")
                 running_sequences, running_beam_scores = running_sequences[keep], running_beam_scores[keep]
                 running_beam_indices, sequences = running_beam_indices[keep], sequences[keep]
                 beam_scores, beam_indices, is_sent_finished = (
