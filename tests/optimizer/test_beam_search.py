@@ -273,3 +273,35 @@ def test_input_select_equals_a_row_select_of_upstreams_layout(prefix_rows):
     else:  # per-hypothesis prefill: folded, plain per-hypothesis rows
         assert layer.prefix_keys is None and layer.keys.shape[0] == beams
     assert cross.cross_attention_cache.layers[0].keys.shape[0] == 1 and cross.group_size() == beams
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_dict_output_without_scores_or_cache_lets_inputs_leave(models, steps, dropped, family):
+    """return_dict_in_generate=True: beam_indices come back in input order, upstream's numbering."""
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    case = CASES["lp0.5-early-ret3-norepeat"]
+    kwargs = dict(return_dict_in_generate=True, output_scores=False, use_cache=False, max_new_tokens=14, **case)
+    reference, candidate = harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
+    assert steps["n"] > 0 and dropped["n"] > 0
+    assert torch.equal(reference.beam_indices, candidate.beam_indices)
+    assert candidate.past_key_values is None and candidate.sequences_scores is None
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+@pytest.mark.parametrize("outputs", [dict(output_scores=True), dict(output_scores=False, use_cache=True)])
+def test_dict_outputs_that_show_frozen_inputs_keep_every_input(models, steps, dropped, family, outputs):
+    """Per-step scores (and sequences_scores) or a returned cache: every input stays, outputs as upstream's."""
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    kwargs = dict(return_dict_in_generate=True, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"], **outputs)
+    reference, candidate = harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
+    assert steps["n"] > 0 and dropped["n"] == 0
+    assert torch.equal(reference.beam_indices, candidate.beam_indices)
+    if outputs["output_scores"] is False:  # the returned cache: upstream's class and layout, same K/V
+        ref_cache, cand_cache = reference.past_key_values, candidate.past_key_values
+        assert type(ref_cache) is type(cand_cache)
+        ref_layers = getattr(ref_cache, "self_attention_cache", ref_cache).layers
+        cand_layers = getattr(cand_cache, "self_attention_cache", cand_cache).layers
+        for ref, cand in zip(ref_layers, cand_layers, strict=True):
+            torch.testing.assert_close(ref.keys, cand.keys, atol=1e-5, rtol=1e-5)

@@ -17,8 +17,11 @@ What changes against HF 5.23's loop, and why the outputs stay token-identical:
 - Finished inputs leave the batch (Amun's shrinking mini-batch) once upstream's own state says their
   results are frozen (early-stop heuristic unsatisfiable, or all beams finished with
   ``early_stopping=True``): their rows of every running tensor, ``model_kwargs`` and the cache go,
-  and results are written back in input order. Needs ``return_dict_in_generate=False`` (the caller
-  would otherwise get a smaller cache back) and upstream's plain ``DynamicCache`` /
+  and results are written back in input order. Needs outputs that frozen inputs cannot change
+  (``return_dict_in_generate=False``, or a dict without ``output_scores`` and without a cache, i.e.
+  ``use_cache=False``: upstream's per-step scores, which also bring ``sequences_scores``, and its
+  returned cache hold the frozen inputs' later steps, which nobody computes once they left) and
+  upstream's plain ``DynamicCache`` /
   ``EncoderDecoderCache`` or a cache with the :data:`INPUT_SELECT` method (fastgen's dedup caches
   have it: their shared cross-attention / prompt rows follow the inputs and stay shared); otherwise
   every input stays, as upstream.
@@ -199,6 +202,21 @@ def _removal_problem(model_kwargs: dict[str, Any]) -> str | None:
     return None
 
 
+def _outputs_need_every_input(generation_config: Any, model_kwargs: dict[str, Any]) -> bool:
+    """Whether the returned outputs hold what a frozen input computes after it froze.
+
+    Upstream keeps decoding frozen inputs to the end: ``output_scores`` returns their per-step scores
+    (and is what brings ``sequences_scores``), and a returned cache holds their K/V of every step.
+    Sequences and ``beam_indices`` are frozen with the input, so a dict without either can drop them.
+    """
+    if not generation_config.return_dict_in_generate:
+        return False
+    if generation_config.output_scores:
+        return True
+    has_cache = any(model_kwargs.get(key) is not None for key in ALL_CACHE_NAMES)
+    return has_cache or model_kwargs.get("use_cache") is not False
+
+
 def _select_rows(value: Any, hyp_rows: torch.Tensor, input_rows: torch.Tensor, batch: int, beams: int) -> Any:
     """Keep the surviving inputs' rows: hypothesis-major tensors (B·M rows) or per-input ones (B rows)."""
     if isinstance(value, torch.Tensor):
@@ -296,9 +314,9 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
 
     # Finished inputs leave the batch (their rows of every per-input tensor, model_kwargs and the
     # cache) once their results cannot change; results are written back in input order at the end.
-    # Off when the caller gets the cache back (return_dict_in_generate: upstream's layout) or when
-    # something in model_kwargs cannot be shrunk.
-    removal = not return_dict_in_generate and _removal_problem(model_kwargs) is None
+    # Off when something in model_kwargs cannot be shrunk, and when the outputs would show the frozen
+    # inputs' later steps (see _outputs_need_every_input).
+    removal = not _outputs_need_every_input(generation_config, model_kwargs) and _removal_problem(model_kwargs) is None
     active = torch.arange(batch_size, device=input_ids.device)  # original index of each current input
     final_sequences, final_scores, final_indices = sequences.clone(), beam_scores.clone(), beam_indices.clone()
 
