@@ -159,7 +159,8 @@ def test_removal_needs_an_input_group_select_on_other_caches():
 
 @pytest.fixture
 def dropped(monkeypatch) -> dict[str, int]:
-    """Counts inputs that left the batch early."""
+    """Counts inputs that left the batch early (stop check every step, so every early freeze shows)."""
+    monkeypatch.setenv(beam_search.STOP_CHECK_ENV, "1")
     counter = {"n": 0}
     original = beam_search._drop_inputs
 
@@ -305,3 +306,32 @@ def test_dict_outputs_that_show_frozen_inputs_keep_every_input(models, steps, dr
         cand_layers = getattr(cand_cache, "self_attention_cache", cand_cache).layers
         for ref, cand in zip(ref_layers, cand_layers, strict=True):
             torch.testing.assert_close(ref.keys, cand.keys, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(harness.HF_FAMILIES))
+def test_stop_check_every_k_steps_changes_nothing(models, steps, monkeypatch, family):
+    """Steps run past the last freeze (up to k - 1) and frozen inputs leaving up to k - 1 steps late
+    leave every output equal; only the number of steps can grow."""
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
+    counts = {}
+    for every in ("1", "3", "4", "7"):
+        monkeypatch.setenv(beam_search.STOP_CHECK_ENV, every)
+        steps["n"] = 0
+        harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
+        counts[every] = steps["n"]
+    assert counts["1"] > 0 and all(n >= counts["1"] for n in counts.values()), counts
+    if family == "marian":  # its inputs all freeze early: the lazy check does run steps past upstream's stop
+        assert max(counts.values()) > counts["1"], counts
+
+
+def test_stop_check_interval_setting(monkeypatch):
+    monkeypatch.delenv(beam_search.STOP_CHECK_ENV, raising=False)
+    assert beam_search.stop_check_interval() == beam_search.DEFAULT_STOP_CHECK_EVERY == 4
+    monkeypatch.setenv(beam_search.STOP_CHECK_ENV, "8")
+    assert beam_search.stop_check_interval() == 8
+    for bad in ("0", "-2", "x"):
+        monkeypatch.setenv(beam_search.STOP_CHECK_ENV, bad)
+        with pytest.raises(ValueError, match=beam_search.STOP_CHECK_ENV):
+            beam_search.stop_check_interval()

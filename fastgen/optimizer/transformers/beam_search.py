@@ -31,12 +31,17 @@ the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_log
 ``output_attentions`` / ``output_hidden_states``, any other logits processor (value-changing ones,
 custom ones, multi-token bad words, ...) or stopping criterion.
 
-Not done yet (issue 8, deliverable 2): the stop check syncs every step (free on CPU; every k steps
-on GPUs is the plan); the loop is not wired to the GPU kernels (it uses the exact torch path).
+The stop check (one host sync) runs every ``k`` steps (``FASTGEN_BEAM_STOP_CHECK_EVERY``, default 4)
+when the outputs show nothing of the steps past an input's freeze; the length limit is checked on the
+host every step. With per-step scores or a returned cache it is upstream's check, every step.
+
+Not done yet (issue 8, deliverable 2): the loop is not wired to the GPU kernels (it uses the exact
+torch path), and the removal itself syncs (``nonzero``) on the check steps where inputs leave.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -202,6 +207,21 @@ def _removal_problem(model_kwargs: dict[str, Any]) -> str | None:
     return None
 
 
+#: environment variable: decoding steps between two stop checks (host syncs) of fastgen's loop
+STOP_CHECK_ENV = "FASTGEN_BEAM_STOP_CHECK_EVERY"
+DEFAULT_STOP_CHECK_EVERY = 4
+
+
+def stop_check_interval() -> int:
+    """Steps between stop checks: :data:`STOP_CHECK_ENV` if set (a positive integer), else 4."""
+    value = os.environ.get(STOP_CHECK_ENV, "").strip()
+    if not value:
+        return DEFAULT_STOP_CHECK_EVERY
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{STOP_CHECK_ENV} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def _outputs_need_every_input(generation_config: Any, model_kwargs: dict[str, Any]) -> bool:
     """Whether the returned outputs hold what a frozen input computes after it froze.
 
@@ -316,7 +336,12 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
     # cache) once their results cannot change; results are written back in input order at the end.
     # Off when something in model_kwargs cannot be shrunk, and when the outputs would show the frozen
     # inputs' later steps (see _outputs_need_every_input).
-    removal = not _outputs_need_every_input(generation_config, model_kwargs) and _removal_problem(model_kwargs) is None
+    # Unless the outputs show every step, the stop check runs every check_every steps only (one host
+    # sync each): steps past the last input's freeze change nothing the caller gets.
+    lazy_stop = not _outputs_need_every_input(generation_config, model_kwargs)
+    removal = lazy_stop and _removal_problem(model_kwargs) is None
+    check_every = stop_check_interval()
+    length_limit = min([max_length] + [c.max_length for c in stopping_criteria or () if type(c) is MaxLengthCriteria])
     active = torch.arange(batch_size, device=input_ids.device)  # original index of each current input
     final_sequences, final_scores, final_indices = sequences.clone(), beam_scores.clone(), beam_indices.clone()
 
@@ -419,31 +444,37 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
             early_stopping=early_stopping,
             length_penalty=length_penalty,
         )
-        this_peer_finished = not self._beam_search_has_unfinished_sequences(
-            is_early_stop_heuristic_unsatisfied, is_sent_finished, next_token_hits_stopping_criteria, early_stopping
-        )
-        if removal and not this_peer_finished:
-            # An input whose heuristic says no improvement (or, with early_stopping=True, whose beams are
-            # all finished) gets -1e9 on every later candidate in _update_finished_beams: it is frozen.
-            done = ~is_early_stop_heuristic_unsatisfied[:, 0]
-            if early_stopping is True:
-                done |= is_sent_finished.all(dim=1)
-            if bool(done.any()):  # the one host sync this adds (CPU: free); TODO: every k steps on GPUs
-                gone, keep = done.nonzero().flatten(), (~done).nonzero().flatten()
-                final_sequences[active[gone]] = sequences[gone]
-                final_scores[active[gone]] = beam_scores[gone]
-                final_indices[active[gone]] = beam_indices[gone]
-                _drop_inputs(model_kwargs, keep, batch_size, num_beams)
-                report.note_ran(FEATURE, "finished inputs left the batch")
-                running_sequences, running_beam_scores = running_sequences[keep], running_beam_scores[keep]
-                running_beam_indices, sequences = running_beam_indices[keep], sequences[keep]
-                beam_scores, beam_indices, is_sent_finished = (
-                    beam_scores[keep],
-                    beam_indices[keep],
-                    is_sent_finished[keep],
-                )
-                is_early_stop_heuristic_unsatisfied = is_early_stop_heuristic_unsatisfied[keep]
-                active, batch_size = active[keep], len(keep)
+        if not lazy_stop:  # the outputs show every step: upstream's check, every step
+            this_peer_finished = not self._beam_search_has_unfinished_sequences(
+                is_early_stop_heuristic_unsatisfied, is_sent_finished, next_token_hits_stopping_criteria, early_stopping
+            )
+            continue
+        # Upstream's third stop condition (every candidate hits a criterion) is the length limit: known
+        # on the host. Its other two mean every input is done, which the check below sees within k steps.
+        this_peer_finished = cur_len >= length_limit
+        if this_peer_finished or (cur_len - decoder_prompt_len) % check_every:
+            continue
+        # An input whose heuristic says no improvement (or, with early_stopping=True, whose beams are
+        # all finished) gets -1e9 on every later candidate in _update_finished_beams: it is frozen, so
+        # the steps it takes until this check (as in upstream, where the batch goes on) change nothing.
+        done = ~is_early_stop_heuristic_unsatisfied[:, 0]
+        if early_stopping is True:
+            done |= is_sent_finished.all(dim=1)
+        n_done = int(done.sum())  # the loop's one host sync, every check_every steps
+        if n_done == batch_size:
+            this_peer_finished = True
+        elif removal and n_done:
+            gone, keep = done.nonzero().flatten(), (~done).nonzero().flatten()
+            final_sequences[active[gone]] = sequences[gone]
+            final_scores[active[gone]] = beam_scores[gone]
+            final_indices[active[gone]] = beam_indices[gone]
+            _drop_inputs(model_kwargs, keep, batch_size, num_beams)
+            report.note_ran(FEATURE, "finished inputs left the batch")
+            running_sequences, running_beam_scores = running_sequences[keep], running_beam_scores[keep]
+            running_beam_indices, sequences = running_beam_indices[keep], sequences[keep]
+            beam_scores, beam_indices, is_sent_finished = beam_scores[keep], beam_indices[keep], is_sent_finished[keep]
+            is_early_stop_heuristic_unsatisfied = is_early_stop_heuristic_unsatisfied[keep]
+            active, batch_size = active[keep], len(keep)
 
     final_sequences[active], final_scores[active], final_indices[active] = sequences, beam_scores, beam_indices
     sequences, beam_scores, beam_indices = final_sequences, final_scores, final_indices
