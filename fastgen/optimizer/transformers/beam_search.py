@@ -21,10 +21,9 @@ What changes against HF 5.23's loop, and why the outputs stay token-identical:
   (``return_dict_in_generate=False``, or a dict without ``output_scores`` and without a cache, i.e.
   ``use_cache=False``: upstream's per-step scores, which also bring ``sequences_scores``, and its
   returned cache hold the frozen inputs' later steps, which nobody computes once they left) and
-  upstream's plain ``DynamicCache`` /
-  ``EncoderDecoderCache`` or a cache with the :data:`INPUT_SELECT` method (fastgen's dedup caches
-  have it: their shared cross-attention / prompt rows follow the inputs and stay shared); otherwise
-  every input stays, as upstream.
+  upstream's plain ``DynamicCache`` / ``EncoderDecoderCache`` or a cache with the :data:`INPUT_SELECT`
+  method (fastgen's dedup caches have it: their shared cross-attention / prompt rows follow the
+  inputs and stay shared); otherwise every input stays, as upstream.
 
 Anything else goes to the original ``_beam_search`` for the whole call, with one warning naming
 the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_logits`` /
@@ -335,9 +334,9 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
     # Finished inputs leave the batch (their rows of every per-input tensor, model_kwargs and the
     # cache) once their results cannot change; results are written back in input order at the end.
     # Off when something in model_kwargs cannot be shrunk, and when the outputs would show the frozen
-    # inputs' later steps (see _outputs_need_every_input).
-    # Unless the outputs show every step, the stop check runs every check_every steps only (one host
-    # sync each): steps past the last input's freeze change nothing the caller gets.
+    # inputs' later steps (see _outputs_need_every_input); in that case the stop check is upstream's,
+    # every step. Otherwise it runs every check_every steps only (one host sync each): steps past the
+    # last input's freeze change nothing the caller gets.
     lazy_stop = not _outputs_need_every_input(generation_config, model_kwargs)
     removal = lazy_stop and _removal_problem(model_kwargs) is None
     check_every = stop_check_interval()
