@@ -5,6 +5,7 @@ at different steps; whole-call fallback with one warning naming the argument oth
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import pytest
@@ -335,3 +336,31 @@ def test_stop_check_interval_setting(monkeypatch):
         monkeypatch.setenv(beam_search.STOP_CHECK_ENV, bad)
         with pytest.raises(ValueError, match=beam_search.STOP_CHECK_ENV):
             beam_search.stop_check_interval()
+
+
+def test_host_reads_in_the_loop_are_the_stop_checks_and_the_removals(models, steps, monkeypatch):
+    """Every tensor -> host read made by the loop's own code (what syncs on a GPU): one per stop check
+    (every k steps), two ``nonzero`` per check that removes inputs, and upstream's one fill-value
+    test before the loop. (The CPU n-gram op's ``nonzero`` is CPU-only: on GPUs it is sync-free.)"""
+    reads: list[tuple[str, int]] = []
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, _name=name, **kwargs):
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename == beam_search.__file__:
+                reads.append((_name, frame.f_code.co_name))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    monkeypatch.setenv(beam_search.STOP_CHECK_ENV, "4")
+    model = models["bart"]
+    inputs = harness.tiny_inputs(model, batch=5)
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
+    with fastgen.patched(FEATURES), fastgen.report() as report:
+        model.generate(**inputs, **kwargs)
+    assert "finished inputs left the batch" in report.ran["beam"]
+    checks = reads.count(("__int__", "_beam_search"))
+    removals = reads.count(("nonzero", "_beam_search"))
+    assert 0 < checks <= steps["n"] // 4 and removals % 2 == 0 and removals > 0
+    assert len(reads) == 1 + checks + removals, reads  # + upstream's `pad_token_id or eos...` before the loop
