@@ -329,9 +329,10 @@ def test_stop_check_every_k_steps_changes_nothing(models, steps, monkeypatch, fa
 
 def test_stop_check_interval_setting(monkeypatch):
     monkeypatch.delenv(beam_search.STOP_CHECK_ENV, raising=False)
-    assert beam_search.stop_check_interval() == beam_search.DEFAULT_STOP_CHECK_EVERY == 4
+    assert beam_search.stop_check_interval("cuda") == beam_search.DEFAULT_STOP_CHECK_EVERY == 4
+    assert beam_search.stop_check_interval(torch.device("cpu")) == 1  # a check costs nothing there
     monkeypatch.setenv(beam_search.STOP_CHECK_ENV, "8")
-    assert beam_search.stop_check_interval() == 8
+    assert beam_search.stop_check_interval("cpu") == beam_search.stop_check_interval("cuda") == 8
     for bad in ("0", "-2", "x"):
         monkeypatch.setenv(beam_search.STOP_CHECK_ENV, bad)
         with pytest.raises(ValueError, match=beam_search.STOP_CHECK_ENV):

@@ -30,9 +30,10 @@ the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_log
 ``output_attentions`` / ``output_hidden_states``, any other logits processor (value-changing ones,
 custom ones, multi-token bad words, ...) or stopping criterion.
 
-The stop check (one host sync) runs every ``k`` steps (``FASTGEN_BEAM_STOP_CHECK_EVERY``, default 4)
-when the outputs show nothing of the steps past an input's freeze; the length limit is checked on the
-host every step. With per-step scores or a returned cache it is upstream's check, every step.
+The stop check (one host sync) runs every ``k`` steps (``FASTGEN_BEAM_STOP_CHECK_EVERY``; default 4
+on accelerators, 1 on CPU where a check costs nothing) when the outputs show nothing of the steps
+past an input's freeze; the length limit is checked on the host every step. With per-step scores or
+a returned cache it is upstream's check, every step.
 
 Not done yet (issue 8, deliverable 2): the loop is not wired to the GPU kernels (it uses the exact
 torch path), and the removal itself syncs (``nonzero``) on the check steps where inputs leave.
@@ -208,14 +209,16 @@ def _removal_problem(model_kwargs: dict[str, Any]) -> str | None:
 
 #: environment variable: decoding steps between two stop checks (host syncs) of fastgen's loop
 STOP_CHECK_ENV = "FASTGEN_BEAM_STOP_CHECK_EVERY"
+#: default on accelerators, where each check waits for the device; on CPU a check costs nothing and
+#: every step past a freeze costs a decoder step, so the CPU default is every step
 DEFAULT_STOP_CHECK_EVERY = 4
 
 
-def stop_check_interval() -> int:
-    """Steps between stop checks: :data:`STOP_CHECK_ENV` if set (a positive integer), else 4."""
+def stop_check_interval(device: torch.device | str = "cuda") -> int:
+    """Steps between stop checks: :data:`STOP_CHECK_ENV` if set (a positive integer), else 1 on CPU, 4 elsewhere."""
     value = os.environ.get(STOP_CHECK_ENV, "").strip()
     if not value:
-        return DEFAULT_STOP_CHECK_EVERY
+        return 1 if torch.device(device).type == "cpu" else DEFAULT_STOP_CHECK_EVERY
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{STOP_CHECK_ENV} must be a positive integer, got {value!r}")
     return int(value)
@@ -339,7 +342,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
     # last input's freeze change nothing the caller gets.
     lazy_stop = not _outputs_need_every_input(generation_config, model_kwargs)
     removal = lazy_stop and _removal_problem(model_kwargs) is None
-    check_every = stop_check_interval()
+    check_every = stop_check_interval(input_ids.device)
     length_limit = min([max_length] + [c.max_length for c in stopping_criteria or () if type(c) is MaxLengthCriteria])
     active = torch.arange(batch_size, device=input_ids.device)  # original index of each current input
     final_sequences, final_scores, final_indices = sequences.clone(), beam_scores.clone(), beam_indices.clone()
