@@ -1,12 +1,15 @@
 """Upstream vs the default features vs the default features + the opt-in ``beam`` loop, one process.
 
     python -m benchmarks.beam_loop --scenario bart-base [--rounds 4] [--out FILE.json]
+    python -m benchmarks.beam_loop --scenario bart-base-varlen [--rounds 3]
 
 The three variants run in a rotating order each round after a warm-up. Wall time and this thread's
 CPU time are both recorded: on a shared, loaded machine the wall clock mostly measures waiting for
-a core, the thread CPU time what the code costs. The scenario (benchmarks.scenarios) fixes the
-length (min_new_tokens == max_new_tokens) and returns dicts, so no input leaves the batch here:
-this times the fused step, the in-place bans and the prefix-only gathers.
+a core, the thread CPU time what the code costs. The fixed-length scenarios (benchmarks.scenarios)
+force the length (min_new_tokens == max_new_tokens) and return dicts, so no input leaves the batch:
+they time the fused step, the in-place bans and the prefix-only gathers. ``bart-base-varlen``
+(benchmarks.varlen) stops naturally at input-dependent steps and returns plain tensors, so finished
+inputs leave the batch under ``beam``; it also counts the decoder rows each variant runs.
 """
 
 from __future__ import annotations
@@ -17,13 +20,18 @@ import os
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
 
 import fastgen
+from benchmarks import varlen
 from benchmarks.measure import environment
 from benchmarks.scenarios import SCENARIOS
+
+VARLEN = "bart-base-varlen"
+VARLEN_SETTINGS = {"batch": 8, "input_len": 256, "new_tokens": 48}
 
 VARIANTS: dict[str, list[str] | None] = {
     "upstream": None,
@@ -34,14 +42,40 @@ VARIANTS: dict[str, list[str] | None] = {
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", default="bart-base", choices=[n for n in SCENARIOS if n != "fairseq-transformer"])
+    choices = [n for n in SCENARIOS if n != "fairseq-transformer"] + [VARLEN]
+    parser.add_argument("--scenario", default="bart-base", choices=choices)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    scenario = SCENARIOS[args.scenario]
-    settings = scenario.settings("cpu")
-    call = scenario.prepare("cpu", torch.float32, settings)
+    selection, count_rows = None, None
+    if args.scenario == VARLEN:
+        settings = dict(VARLEN_SETTINGS)
+        generate = dict(SCENARIOS["bart-base"].generate)
+        model, inputs, kwargs, selection = varlen.prepare(**settings, generate=generate)
+        settings["generate"] = generate
+
+        def call():
+            return types.SimpleNamespace(sequences=model.generate(**inputs, **kwargs))
+
+        def count_rows(variant: str) -> int:
+            """Decoder rows (hypotheses x steps) one call runs."""
+            rows = [0]
+
+            def record(module, args, kwargs):
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                rows[0] += ids.shape[0]
+
+            handle = model.model.decoder.register_forward_pre_hook(record, with_kwargs=True)
+            try:
+                run(variant)
+            finally:
+                handle.remove()
+            return rows[0]
+    else:
+        scenario = SCENARIOS[args.scenario]
+        settings = scenario.settings("cpu") | {"generate": scenario.generate}
+        call = scenario.prepare("cpu", torch.float32, settings)
 
     def run(variant: str):
         features = VARIANTS[variant]
@@ -68,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python -m benchmarks.beam_loop " + " ".join(sys.argv[1:] if argv is None else argv),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "scenario": args.scenario,
-        "settings": settings | {"generate": scenario.generate},
+        "settings": settings,
         "variants": VARIANTS,
         "environment": environment("cpu"),
         "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
@@ -78,6 +112,18 @@ def main(argv: list[str] | None = None) -> None:
         "speedup_wall": {n: medians["upstream"] / medians[n] for n in names[1:]},
         "speedup_thread_cpu": {n: cpu_medians["upstream"] / cpu_medians[n] for n in names[1:]},
     }
+    if selection is not None:
+        lengths = varlen.natural_lengths(outputs["upstream"].sequences, pad=1)
+        rows = {name: count_rows(name) for name in names}
+        report["variable_length"] = {
+            "how": varlen.__doc__,
+            "natural_lengths_upstream": lengths,
+            "target_lengths": [round(t, 1) for t in selection["targets"]],
+            "pool_lengths_upstream": selection["pool_lengths"],
+            "decoder_rows": rows,
+            "decoder_rows_skipped_vs_upstream": {n: 1 - rows[n] / rows["upstream"] for n in names[1:]},
+        }
+        sys.stdout.write(f"natural lengths {lengths}; decoder rows {rows}\n")
     out = args.out or Path(__file__).resolve().parent / "results" / f"beam_loop-{args.scenario}-cpu.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     for name in names:

@@ -23,3 +23,8 @@ def plain_dynamic_cache(layers: Iterable[tuple[torch.Tensor, torch.Tensor] | Non
             layer.keys, layer.values = keys, values
         cache.layers.append(layer)
     return cache
+
+
+def hypothesis_rows(inputs: torch.Tensor, group: int) -> torch.Tensor:
+    """Row indices of the ``group`` consecutive hypotheses of each input in ``inputs`` (beam search's layout)."""
+    return (inputs[:, None] * group + torch.arange(group, device=inputs.device)).reshape(-1)

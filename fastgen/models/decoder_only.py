@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from fastgen.models._caches import plain_dynamic_cache
+from fastgen.models._caches import hypothesis_rows, plain_dynamic_cache
 from fastgen.models._families import is_subclass_of_any, unsupported_attention, unsupported_family
 from fastgen.models.family_checks import shared_prompt_family_problem
 from fastgen.ops.attention import prefix_shared_attention
@@ -213,6 +213,17 @@ class SharedPrefixLayer(DynamicLayer):
         self.hypotheses = len(indices)
         super().batch_select_indices(indices)
 
+    def batch_select_inputs(self, keep: torch.Tensor, beams: int) -> None:
+        """Keep the inputs ``keep`` (ascending) with their ``beams`` consecutive hypotheses, prefix still shared."""
+        rows = hypothesis_rows(keep, beams)
+        if self.prefix_keys is not None and self.group_size() != beams:
+            self.materialize()  # not beam search's grouping: per-hypothesis rows from here on
+        if self.prefix_keys is not None:
+            self.prefix_keys, self.prefix_values = self.prefix_keys[keep], self.prefix_values[keep]
+        if self.suffix_length or (self.prefix_keys is None and self.is_initialized):
+            self.keys, self.values = self.keys[rows], self.values[rows]
+        self.hypotheses = len(rows)
+
     def reset(self) -> None:
         self.prefix_keys = self.prefix_values = None
         super().reset()
@@ -241,6 +252,15 @@ class SharedPrefixCache(DynamicCache):
         ):
             return None
         return cls(len(cache.layers), hypotheses, group_size, attention_ready)
+
+    def batch_select_inputs(self, keep: torch.Tensor, beams: int) -> None:
+        """Keep the inputs ``keep`` (ascending indices) with their ``beams`` consecutive hypotheses each.
+
+        For finished inputs leaving beam search's batch (feature ``beam``): unlike
+        ``batch_select_indices`` this keeps each kept input's one prefix row shared.
+        """
+        for layer in self.layers:
+            layer.batch_select_inputs(keep, beams)
 
     def bytes_saved(self) -> int:
         """Prompt K/V bytes upstream would hold in addition (``G - 1`` more copies per input)."""

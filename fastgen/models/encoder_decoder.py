@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-from fastgen.models._caches import plain_dynamic_cache
+from fastgen.models._caches import hypothesis_rows, plain_dynamic_cache
 from fastgen.models._families import is_subclass_of_any, unsupported_attention, unsupported_family
 from fastgen.ops.attention import group_beam_queries, layout_for_groups, ungroup_beam_output, ungroup_beam_rows
 
@@ -147,6 +147,24 @@ class BeamSharedCrossAttentionCache(EncoderDecoderCache):
             self.cross_attention_cache.batch_repeat_interleave(group)
         self.self_attention_cache.batch_select_indices(indices)
         self.cross_attention_cache.batch_select_indices(indices)
+
+    def batch_select_inputs(self, keep: torch.Tensor, beams: int) -> None:
+        """Keep the inputs ``keep`` (ascending indices) with their ``beams`` consecutive hypotheses each.
+
+        For finished inputs leaving beam search's batch (feature ``beam``): unlike
+        :meth:`batch_select_indices` this keeps the sharing, selecting hypothesis rows of the
+        self-attention cache and each kept input's one row of the cross-attention cache.
+        """
+        self.check_dynamic_cache(self.batch_select_inputs.__name__)
+        group = self.group_size()
+        rows = hypothesis_rows(keep, beams)
+        self.self_attention_cache.batch_select_indices(rows)
+        if group == beams:
+            self.cross_attention_cache.batch_select_indices(keep)
+            return
+        if group > 1:  # not beam search's grouping: per-hypothesis cross rows first
+            self.cross_attention_cache.batch_repeat_interleave(group)
+        self.cross_attention_cache.batch_select_indices(rows)
 
 
 def is_plain_dynamic_encoder_decoder_cache(cache: Any) -> bool:

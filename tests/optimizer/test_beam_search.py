@@ -5,6 +5,7 @@ at different steps; whole-call fallback with one warning naming the argument oth
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import pytest
@@ -139,23 +140,28 @@ def test_opt_in_only():
         assert registry.feature_enabled("beam")
 
 
-def test_removal_needs_plain_caches():
-    """fastgen's dedup caches keep shared rows: finished-input removal needs an input-group select there."""
+def test_removal_needs_an_input_group_select_on_other_caches():
+    """Plain caches drop hypothesis rows; fastgen's dedup caches select per input (INPUT_SELECT); others keep all."""
+    from fastgen.models.decoder_only import SharedPrefixCache
     from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
+
+    class OtherCache(DynamicCache):
+        pass
 
     plain = EncoderDecoderCache(DynamicCache(), DynamicCache())
     assert beam_search._removal_problem({"past_key_values": plain, "attention_mask": torch.ones(2, 3)}) is None
     shared = BeamSharedCrossAttentionCache.from_cache(plain)
-    assert (
-        "BeamSharedCrossAttentionCache has no input-group select (batch_select_inputs)"
-        in beam_search._removal_problem({"past_key_values": shared})
-    )
+    assert beam_search._removal_problem({"past_key_values": shared}) is None
+    prefix = SharedPrefixCache(2, hypotheses=6, group_size=3, attention_ready=lambda: True)
+    assert beam_search._removal_problem({"past_key_values": prefix}) is None
+    assert "OtherCache has no input-group select" in beam_search._removal_problem({"past_key_values": OtherCache()})
     assert "model kwarg 'pixel_values'" in beam_search._removal_problem({"pixel_values": torch.ones(1)})
 
 
 @pytest.fixture
 def dropped(monkeypatch) -> dict[str, int]:
-    """Counts inputs that left the batch early."""
+    """Counts inputs that left the batch early (stop check every step, so every early freeze shows)."""
+    monkeypatch.setenv(beam_search.STOP_CHECK_ENV, "1")
     counter = {"n": 0}
     original = beam_search._drop_inputs
 
@@ -180,34 +186,47 @@ def test_finished_inputs_leave_the_batch(models, steps, dropped, family, case):
         assert dropped["n"] > 0, "no input left the batch"
 
 
-def test_dedup_caches_keep_every_input(models, dropped):
-    """With dedup's shared caches removal is off (they need an input-group select), outputs still equal."""
-    model = models["bart"]
-    inputs = harness.tiny_inputs(model, batch=5)
-    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
-    harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
-    assert dropped["n"] == 0
-
-
-def test_dedup_cache_with_an_input_group_select_lets_inputs_leave(models, steps, dropped, monkeypatch):
-    """The hook the dedup caches need (see INPUT_SELECT), sketched here for the shared cross-attention
-    cache on top of the generic Cache API: hypothesis rows of the self cache, input rows of the cross one."""
+def assert_still_shared(cache: Any, beams: int) -> int:
+    """The cache a dedup call decoded with still shares its per-input rows; returns the inputs left in it."""
+    from fastgen.models.decoder_only import SharedPrefixCache
     from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
 
-    def batch_select_inputs(self, keep, beams):
-        hyp_rows = (keep[:, None] * beams + torch.arange(beams, device=keep.device)).reshape(-1)
-        shared = [layer.keys.shape[0] for layer in self.cross_attention_cache.layers if layer.is_initialized]
-        per_input = bool(shared) and shared[0] * beams == self.self_attention_cache.layers[0].keys.shape[0]
-        self.self_attention_cache.batch_select_indices(hyp_rows)
-        self.cross_attention_cache.batch_select_indices(keep if per_input and beams > 1 else hyp_rows)
+    if isinstance(cache, BeamSharedCrossAttentionCache):
+        assert cache.group_size() == beams
+        inputs = {layer.keys.shape[0] for layer in cache.cross_attention_cache.layers}
+        hypotheses = {layer.keys.shape[0] for layer in cache.self_attention_cache.layers}
+    else:
+        assert isinstance(cache, SharedPrefixCache), type(cache)
+        assert all(layer.prefix_keys is not None and layer.group_size() == beams for layer in cache.layers)
+        inputs = {layer.prefix_keys.shape[0] for layer in cache.layers}
+        hypotheses = {layer.keys.shape[0] for layer in cache.layers} | {layer.hypotheses for layer in cache.layers}
+    assert len(inputs) == 1 and hypotheses == {next(iter(inputs)) * beams}, (inputs, hypotheses)
+    return next(iter(inputs))
 
-    monkeypatch.setattr(BeamSharedCrossAttentionCache, "batch_select_inputs", batch_select_inputs, raising=False)
-    for family in [f for f in harness.ENCODER_DECODER if f in EOS_GAIN]:
-        model = models[family]
-        inputs = harness.tiny_inputs(model, batch=5)
-        kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
-        harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
-    assert steps["n"] > 0 and dropped["n"] > 0
+
+@pytest.mark.parametrize("family", list(EOS_GAIN))
+def test_inputs_leave_the_batch_with_the_dedup_caches_still_shared(models, steps, dropped, family):
+    """dedup + ngram + beam: finished inputs leave, the shared cross-attention / prompt rows follow them."""
+    from fastgen.optimizer.transformers.returned_cache import DEDUP_CACHES
+
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    case = CASES["lp0.5-early-ret3-norepeat"]
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **case)
+    with harness.recorded_caches(model) as caches:
+        reference, _, report = harness.assert_same_generation(
+            model, inputs, features=FEATURES, with_report=True, **kwargs
+        )
+    assert report.fast_path("dedup") and report.fast_path("beam") and not report.fell_back, str(report)
+    assert steps["n"] > 0
+    shared = [cache for cache in caches if isinstance(cache, DEDUP_CACHES)]
+    assert len(shared) == 1, caches  # the patched call's (upstream's call records a plain one)
+    left = assert_still_shared(shared[0], case["num_beams"])
+    if family in SPREAD:
+        assert len(finish_steps(model, inputs, reference)) >= 2, "inputs must finish at different steps"
+    if family != "gpt2":  # the tiny gpt2 freezes no input early
+        assert dropped["n"] > 0 and left < 5, "no input left the batch"
+        assert "finished inputs left the batch" in report.ran["beam"]
 
 
 @pytest.mark.parametrize("family", ["bart", "t5", "llama"])
@@ -219,3 +238,130 @@ def test_encoder_ngrams_follow_the_inputs_that_stay(models, steps, dropped, fami
     kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **case)
     harness.assert_same_generation(model, inputs, features=["beam", "ngram"], **kwargs)
     assert steps["n"] > 0 and dropped["n"] > 0
+
+
+@pytest.mark.parametrize("prefix_rows", [2, 6])  # shared per input, or a prefill that ran per hypothesis
+def test_input_select_equals_a_row_select_of_upstreams_layout(prefix_rows):
+    """Selecting inputs on a dedup cache gives, in upstream's layout, exactly upstream's row selection."""
+    from fastgen.models._caches import hypothesis_rows
+    from fastgen.models.decoder_only import SharedPrefixCache
+    from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
+
+    torch.manual_seed(0)
+    keep, beams = torch.tensor([1]), 3
+    rows = hypothesis_rows(keep, beams)
+    prefix = SharedPrefixCache(2, hypotheses=6, group_size=beams, attention_ready=lambda: True)
+    for layer in range(2):
+        prefix.update(torch.randn(prefix_rows, 2, 4, 8), torch.randn(prefix_rows, 2, 4, 8), layer)
+        prefix.update(torch.randn(6, 2, 1, 8), torch.randn(6, 2, 1, 8), layer)
+    cross = BeamSharedCrossAttentionCache(DynamicCache(), DynamicCache())
+    for layer in range(2):
+        cross.self_attention_cache.update(torch.randn(6, 2, 3, 8), torch.randn(6, 2, 3, 8), layer)
+        cross.cross_attention_cache.update(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), layer)
+
+    def upstream_tensors(cache):
+        plain = cache.to_upstream()
+        subs = [plain] if isinstance(plain, DynamicCache) else [plain.self_attention_cache, plain.cross_attention_cache]
+        return [t for sub in subs for layer in sub.layers for t in (layer.keys, layer.values)]
+
+    for cache in (prefix, cross):
+        before = [tensor[rows] for tensor in upstream_tensors(cache)]
+        cache.batch_select_inputs(keep, beams)
+        after = upstream_tensors(cache)
+        assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    layer = prefix.layers[0]
+    if prefix_rows == 2:  # still one prompt row per input
+        assert layer.prefix_keys.shape[0] == 1 and layer.group_size() == beams and layer.hypotheses == beams
+    else:  # per-hypothesis prefill: folded, plain per-hypothesis rows
+        assert layer.prefix_keys is None and layer.keys.shape[0] == beams
+    assert cross.cross_attention_cache.layers[0].keys.shape[0] == 1 and cross.group_size() == beams
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_dict_output_without_scores_or_cache_lets_inputs_leave(models, steps, dropped, family):
+    """return_dict_in_generate=True: beam_indices come back in input order, upstream's numbering."""
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    case = CASES["lp0.5-early-ret3-norepeat"]
+    kwargs = dict(return_dict_in_generate=True, output_scores=False, use_cache=False, max_new_tokens=14, **case)
+    reference, candidate = harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
+    assert steps["n"] > 0 and dropped["n"] > 0
+    assert torch.equal(reference.beam_indices, candidate.beam_indices)
+    assert candidate.past_key_values is None and candidate.sequences_scores is None
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+@pytest.mark.parametrize("outputs", [dict(output_scores=True), dict(output_scores=False, use_cache=True)])
+def test_dict_outputs_that_show_frozen_inputs_keep_every_input(models, steps, dropped, family, outputs):
+    """Per-step scores (and sequences_scores) or a returned cache: every input stays, outputs as upstream's."""
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    kwargs = dict(return_dict_in_generate=True, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"], **outputs)
+    reference, candidate = harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
+    assert steps["n"] > 0 and dropped["n"] == 0
+    assert torch.equal(reference.beam_indices, candidate.beam_indices)
+    if outputs["output_scores"] is False:  # the returned cache: upstream's class and layout, same K/V
+        ref_cache, cand_cache = reference.past_key_values, candidate.past_key_values
+        assert type(ref_cache) is type(cand_cache)
+        ref_layers = getattr(ref_cache, "self_attention_cache", ref_cache).layers
+        cand_layers = getattr(cand_cache, "self_attention_cache", cand_cache).layers
+        for ref, cand in zip(ref_layers, cand_layers, strict=True):
+            torch.testing.assert_close(ref.keys, cand.keys, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(EOS_GAIN))
+def test_stop_check_every_k_steps_changes_nothing(models, steps, monkeypatch, family):
+    """Steps run past the last freeze (up to k - 1) and frozen inputs leaving up to k - 1 steps late
+    leave every output equal; only the number of steps can grow."""
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=5)
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
+    counts = {}
+    for every in ("1", "3", "4", "7"):
+        monkeypatch.setenv(beam_search.STOP_CHECK_ENV, every)
+        steps["n"] = 0
+        harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
+        counts[every] = steps["n"]
+    assert counts["1"] > 0 and all(n >= counts["1"] for n in counts.values()), counts
+    if family == "marian":  # its inputs all freeze early: the lazy check does run steps past upstream's stop
+        assert max(counts.values()) > counts["1"], counts
+
+
+def test_stop_check_interval_setting(monkeypatch):
+    monkeypatch.delenv(beam_search.STOP_CHECK_ENV, raising=False)
+    assert beam_search.stop_check_interval("cuda") == beam_search.DEFAULT_STOP_CHECK_EVERY == 4
+    assert beam_search.stop_check_interval(torch.device("cpu")) == 1  # a check costs nothing there
+    monkeypatch.setenv(beam_search.STOP_CHECK_ENV, "8")
+    assert beam_search.stop_check_interval("cpu") == beam_search.stop_check_interval("cuda") == 8
+    for bad in ("0", "-2", "x"):
+        monkeypatch.setenv(beam_search.STOP_CHECK_ENV, bad)
+        with pytest.raises(ValueError, match=beam_search.STOP_CHECK_ENV):
+            beam_search.stop_check_interval()
+
+
+def test_host_reads_in_the_loop_are_the_stop_checks_and_the_removals(models, steps, monkeypatch):
+    """Every tensor -> host read made by the loop's own code (what syncs on a GPU): one per stop check
+    (every k steps), two ``nonzero`` per check that removes inputs, and upstream's one fill-value
+    test before the loop. (The CPU n-gram op's ``nonzero`` is CPU-only: on GPUs it is sync-free.)"""
+    reads: list[tuple[str, int]] = []
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, _name=name, **kwargs):
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename == beam_search.__file__:
+                reads.append((_name, frame.f_code.co_name))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    monkeypatch.setenv(beam_search.STOP_CHECK_ENV, "4")
+    model = models["bart"]
+    inputs = harness.tiny_inputs(model, batch=5)
+    kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES["lp0.5-early-ret3-norepeat"])
+    with fastgen.patched(FEATURES), fastgen.report() as report:
+        model.generate(**inputs, **kwargs)
+    assert "finished inputs left the batch" in report.ran["beam"]
+    checks = reads.count(("__int__", "_beam_search"))
+    removals = reads.count(("nonzero", "_beam_search"))
+    assert 0 < checks <= steps["n"] // 4 and removals % 2 == 0 and removals > 0
+    assert len(reads) == 1 + checks + removals, reads  # + upstream's `pad_token_id or eos...` before the loop

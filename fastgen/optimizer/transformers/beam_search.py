@@ -17,23 +17,31 @@ What changes against HF 5.23's loop, and why the outputs stay token-identical:
 - Finished inputs leave the batch (Amun's shrinking mini-batch) once upstream's own state says their
   results are frozen (early-stop heuristic unsatisfiable, or all beams finished with
   ``early_stopping=True``): their rows of every running tensor, ``model_kwargs`` and the cache go,
-  and results are written back in input order. Needs ``return_dict_in_generate=False`` (the caller
-  would otherwise get a smaller cache back) and upstream's plain ``DynamicCache`` /
-  ``EncoderDecoderCache`` or a cache with the :data:`INPUT_SELECT` method; otherwise every input
-  stays, as upstream.
+  and results are written back in input order. Needs outputs that frozen inputs cannot change
+  (``return_dict_in_generate=False``, or a dict without ``output_scores`` and without a cache, i.e.
+  ``use_cache=False``: upstream's per-step scores, which also bring ``sequences_scores``, and its
+  returned cache hold the frozen inputs' later steps, which nobody computes once they left) and
+  upstream's plain ``DynamicCache`` / ``EncoderDecoderCache`` or a cache with the :data:`INPUT_SELECT`
+  method (fastgen's dedup caches have it: their shared cross-attention / prompt rows follow the
+  inputs and stay shared); otherwise every input stays, as upstream.
 
 Anything else goes to the original ``_beam_search`` for the whole call, with one warning naming
 the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_logits`` /
 ``output_attentions`` / ``output_hidden_states``, any other logits processor (value-changing ones,
 custom ones, multi-token bad words, ...) or stopping criterion.
 
-Not done yet (issue 8, deliverable 2): fastgen's dedup caches do not have :data:`INPUT_SELECT` yet,
-so with ``dedup`` on no input leaves; the stop check syncs every step (free on CPU; every k steps
-on GPUs is the plan); the loop is not wired to the GPU kernels (it uses the exact torch path).
+The stop check (one host sync) runs every ``k`` steps (``FASTGEN_BEAM_STOP_CHECK_EVERY``; default 4
+on accelerators, 1 on CPU where a check costs nothing) when the outputs show nothing of the steps
+past an input's freeze; the length limit is checked on the host every step. With per-step scores or
+a returned cache it is upstream's check, every step.
+
+Not done yet (issue 8, deliverable 2): the loop is not wired to the GPU kernels (it uses the exact
+torch path), and the removal itself syncs (``nonzero``) on the check steps where inputs leave.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -57,8 +65,10 @@ from transformers.generation.utils import (
     GenerateBeamEncoderDecoderOutput,
 )
 
+from fastgen.models._caches import hypothesis_rows
 from fastgen.ops.beam_topk import log_probs_top_k
 from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
+from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback
 from fastgen.optimizer.transformers import ngram as ngram_patches
 
@@ -191,10 +201,42 @@ def _removal_problem(model_kwargs: dict[str, Any]) -> str | None:
             return f"model kwarg {key!r}"
     cache = next((model_kwargs[key] for key in ALL_CACHE_NAMES if key in model_kwargs), None)
     if cache is not None and not _is_plain_dynamic(cache) and not callable(getattr(cache, INPUT_SELECT, None)):
-        # fastgen's dedup caches keep one row per input for shared K/V; their batch_select_indices
-        # un-shares everything (per-row copies), so they need the input-group select below.
+        # a cache keeping one row per input for shared K/V (fastgen's dedup caches) would be un-shared by
+        # batch_select_indices (per-row copies): it needs the input-group select.
         return f"cache {type(cache).__name__} has no input-group select ({INPUT_SELECT})"
     return None
+
+
+#: environment variable: decoding steps between two stop checks (host syncs) of fastgen's loop
+STOP_CHECK_ENV = "FASTGEN_BEAM_STOP_CHECK_EVERY"
+#: default on accelerators, where each check waits for the device; on CPU a check costs nothing and
+#: every step past a freeze costs a decoder step, so the CPU default is every step
+DEFAULT_STOP_CHECK_EVERY = 4
+
+
+def stop_check_interval(device: torch.device | str = "cuda") -> int:
+    """Steps between stop checks: :data:`STOP_CHECK_ENV` if set (a positive integer), else 1 on CPU, 4 elsewhere."""
+    value = os.environ.get(STOP_CHECK_ENV, "").strip()
+    if not value:
+        return 1 if torch.device(device).type == "cpu" else DEFAULT_STOP_CHECK_EVERY
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{STOP_CHECK_ENV} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _outputs_need_every_input(generation_config: Any, model_kwargs: dict[str, Any]) -> bool:
+    """Whether the returned outputs hold what a frozen input computes after it froze.
+
+    Upstream keeps decoding frozen inputs to the end: ``output_scores`` returns their per-step scores
+    (and is what brings ``sequences_scores``), and a returned cache holds their K/V of every step.
+    Sequences and ``beam_indices`` are frozen with the input, so a dict without either can drop them.
+    """
+    if not generation_config.return_dict_in_generate:
+        return False
+    if generation_config.output_scores:
+        return True
+    has_cache = any(model_kwargs.get(key) is not None for key in ALL_CACHE_NAMES)
+    return has_cache or model_kwargs.get("use_cache") is not False
 
 
 def _select_rows(value: Any, hyp_rows: torch.Tensor, input_rows: torch.Tensor, batch: int, beams: int) -> Any:
@@ -216,7 +258,7 @@ def _select_rows(value: Any, hyp_rows: torch.Tensor, input_rows: torch.Tensor, b
 
 def _drop_inputs(model_kwargs: dict[str, Any], keep: torch.Tensor, batch: int, beams: int) -> None:
     """Shrink model_kwargs and the cache to the inputs in ``keep`` (local indices), in place."""
-    hyp_rows = (keep[:, None] * beams + torch.arange(beams, device=keep.device)).reshape(-1)
+    hyp_rows = hypothesis_rows(keep, beams)
     for key in list(model_kwargs):
         if key in _SELECTABLE:
             model_kwargs[key] = _select_rows(model_kwargs[key], hyp_rows, keep, batch, beams)
@@ -246,6 +288,7 @@ def make_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(
                 self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **model_kwargs
             )
+        report.note_ran(FEATURE, "fastgen's beam search loop")
         return _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
     return beam_search
@@ -293,9 +336,14 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
 
     # Finished inputs leave the batch (their rows of every per-input tensor, model_kwargs and the
     # cache) once their results cannot change; results are written back in input order at the end.
-    # Off when the caller gets the cache back (return_dict_in_generate: upstream's layout) or when
-    # something in model_kwargs cannot be shrunk.
-    removal = not return_dict_in_generate and _removal_problem(model_kwargs) is None
+    # Off when something in model_kwargs cannot be shrunk, and when the outputs would show the frozen
+    # inputs' later steps (see _outputs_need_every_input); in that case the stop check is upstream's,
+    # every step. Otherwise it runs every check_every steps only (one host sync each): steps past the
+    # last input's freeze change nothing the caller gets.
+    lazy_stop = not _outputs_need_every_input(generation_config, model_kwargs)
+    removal = lazy_stop and _removal_problem(model_kwargs) is None
+    check_every = stop_check_interval(input_ids.device)
+    length_limit = min([max_length] + [c.max_length for c in stopping_criteria or () if type(c) is MaxLengthCriteria])
     active = torch.arange(batch_size, device=input_ids.device)  # original index of each current input
     final_sequences, final_scores, final_indices = sequences.clone(), beam_scores.clone(), beam_indices.clone()
 
@@ -398,30 +446,37 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
             early_stopping=early_stopping,
             length_penalty=length_penalty,
         )
-        this_peer_finished = not self._beam_search_has_unfinished_sequences(
-            is_early_stop_heuristic_unsatisfied, is_sent_finished, next_token_hits_stopping_criteria, early_stopping
-        )
-        if removal and not this_peer_finished:
-            # An input whose heuristic says no improvement (or, with early_stopping=True, whose beams are
-            # all finished) gets -1e9 on every later candidate in _update_finished_beams: it is frozen.
-            done = ~is_early_stop_heuristic_unsatisfied[:, 0]
-            if early_stopping is True:
-                done |= is_sent_finished.all(dim=1)
-            if bool(done.any()):  # the one host sync this adds (CPU: free); TODO: every k steps on GPUs
-                gone, keep = done.nonzero().flatten(), (~done).nonzero().flatten()
-                final_sequences[active[gone]] = sequences[gone]
-                final_scores[active[gone]] = beam_scores[gone]
-                final_indices[active[gone]] = beam_indices[gone]
-                _drop_inputs(model_kwargs, keep, batch_size, num_beams)
-                running_sequences, running_beam_scores = running_sequences[keep], running_beam_scores[keep]
-                running_beam_indices, sequences = running_beam_indices[keep], sequences[keep]
-                beam_scores, beam_indices, is_sent_finished = (
-                    beam_scores[keep],
-                    beam_indices[keep],
-                    is_sent_finished[keep],
-                )
-                is_early_stop_heuristic_unsatisfied = is_early_stop_heuristic_unsatisfied[keep]
-                active, batch_size = active[keep], len(keep)
+        if not lazy_stop:  # the outputs show every step: upstream's check, every step
+            this_peer_finished = not self._beam_search_has_unfinished_sequences(
+                is_early_stop_heuristic_unsatisfied, is_sent_finished, next_token_hits_stopping_criteria, early_stopping
+            )
+            continue
+        # Upstream's third stop condition (every candidate hits a criterion) is the length limit: known
+        # on the host. Its other two mean every input is done, which the check below sees within k steps.
+        this_peer_finished = cur_len >= length_limit
+        if this_peer_finished or (cur_len - decoder_prompt_len) % check_every:
+            continue
+        # An input whose heuristic says no improvement (or, with early_stopping=True, whose beams are
+        # all finished) gets -1e9 on every later candidate in _update_finished_beams: it is frozen, so
+        # the steps it takes until this check (as in upstream, where the batch goes on) change nothing.
+        done = ~is_early_stop_heuristic_unsatisfied[:, 0]
+        if early_stopping is True:
+            done |= is_sent_finished.all(dim=1)
+        n_done = int(done.sum())  # the loop's one host sync, every check_every steps
+        if n_done == batch_size:
+            this_peer_finished = True
+        elif removal and n_done:
+            gone, keep = done.nonzero().flatten(), (~done).nonzero().flatten()
+            final_sequences[active[gone]] = sequences[gone]
+            final_scores[active[gone]] = beam_scores[gone]
+            final_indices[active[gone]] = beam_indices[gone]
+            _drop_inputs(model_kwargs, keep, batch_size, num_beams)
+            report.note_ran(FEATURE, "finished inputs left the batch")
+            running_sequences, running_beam_scores = running_sequences[keep], running_beam_scores[keep]
+            running_beam_indices, sequences = running_beam_indices[keep], sequences[keep]
+            beam_scores, beam_indices, is_sent_finished = beam_scores[keep], beam_indices[keep], is_sent_finished[keep]
+            is_early_stop_heuristic_unsatisfied = is_early_stop_heuristic_unsatisfied[keep]
+            active, batch_size = active[keep], len(keep)
 
     final_sequences[active], final_scores[active], final_indices[active] = sequences, beam_scores, beam_indices
     sequences, beam_scores, beam_indices = final_sequences, final_scores, final_indices
