@@ -18,12 +18,16 @@ scenarios=("$@")
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -m fastgen.info
 } 2>&1 | tee "$OUT/info.txt"
-# One log (the device tool brings back at most 8 files): info.txt, gpu.log, and the result JSONs.
+# What comes back: info.txt, gpu.log and results.tar.gz (the device tool brings back at most 8 files).
 {
   python3 -m pytest -q -m gpu -p no:cacheprovider tests
   python3 -m benchmarks.ngram_op --device cuda --out "$OUT/results/ngram_op-cuda.json"
   python3 -m benchmarks.attention_op --device cuda --out "$OUT/results"
+  python3 -m benchmarks.beam_topk_op --device cuda --out "$OUT/results/beam_topk_op-cuda.json"
+  python3 -m tests.ops.ragged_attention_compile_check
   for s in "${scenarios[@]}"; do
     python3 -m benchmarks.run --scenario "$s" --device cuda --out "$OUT/results"
   done
 } 2>&1 | tee "$OUT/gpu.log"
+# The device tool brings back at most 8 files: pack every result JSON into one archive.
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
