@@ -22,7 +22,6 @@ load average, which on a shared machine matters.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 import fastgen
-from benchmarks.ngram_op import device_facts, make_tokens, summarise, upstream, versions
+from benchmarks.ngram_op import device_facts, make_tokens, summarise, upstream, write_report
 from fastgen.ops.beam_topk import BeamTopK, available_backends, beam_topk, log_probs_top_k
 from fastgen.ops.ngram import ban_repeated_ngrams
 
@@ -159,23 +158,14 @@ def main(argv: list[str] | None = None) -> None:
     with fastgen.patched(["ngram"]):
         results = [{"threads": args.threads, **bench(batch, device, args.repeats)} for batch in BATCHES]
     facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    report = {
-        "benchmark": "beam_topk_op",
-        "command": "python -m benchmarks.beam_topk_op " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": facts,
-        "versions": versions(),
-        "method": (
-            "median wall time (and thread CPU time) per call after 3 warm-up calls, implementations interleaved "
-            "round-robin in a shuffled order; hf_* run HF 5.23's _beam_search step code inside fastgen.unpatched(); "
-            "results "
-            "asserted bit-identical (scores, beams, tokens) on CPU before timing; logits N×1×V float32, "
-            "running scores random, k = 2·M; n-gram variants: 64-token hypotheses with planted repeats"
-        ),
-        "results": results,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    method = (
+        "median wall time (and thread CPU time) per call after 3 warm-up calls, implementations interleaved "
+        "round-robin in a shuffled order; hf_* run HF 5.23's _beam_search step code inside fastgen.unpatched(); "
+        "results "
+        "asserted bit-identical (scores, beams, tokens) on CPU before timing; logits N×1×V float32, "
+        "running scores random, k = 2·M; n-gram variants: 64-token hypotheses with planted repeats"
+    )
+    write_report("beam_topk_op", argv, facts, method, results, out)
     for r in results:
         line = ", ".join(f"{name} {ms:.3f} ms" for name, ms in r["median_ms"].items())
         sys.stdout.write(f"B={r['batch']} M={r['beams']} V={r['vocab']}: {line}\n")

@@ -243,6 +243,21 @@ def device_facts(device: torch.device) -> dict:
     return facts
 
 
+def write_report(benchmark: str, argv: list[str] | None, facts: dict, method: str, results: list, out: Path) -> None:
+    """The JSON every op micro-benchmark writes: command, date, machine, versions, method, results."""
+    report = {
+        "benchmark": benchmark,
+        "command": f"python -m benchmarks.{benchmark} " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": facts,
+        "versions": versions(),
+        "method": method,
+        "results": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def versions() -> dict:
     import transformers
 
@@ -282,25 +297,16 @@ def main(argv: list[str] | None = None) -> None:
                 results.append({"threads": threads, **bench_shape(shape, device, args.repeats, args.slow_repeats)})
             results.append({"threads": threads, **bench_encoder(device, args.repeats)})
     facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    report = {
-        "benchmark": "ngram_op",
-        "command": "python -m benchmarks.ngram_op " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": facts,
-        "versions": versions(),
-        "method": (
-            "median wall time per call after 3 warm-up calls, implementations interleaved round-robin "
-            "in a shuffled order; "
-            f"tokens random with each row's final (n-1)-gram planted {REPEATS_PER_ROW}x earlier; "
-            "fastgen works in place (fastgen_plus_clone adds the copy HF's out-of-place contract implies); "
-            "fastgen_processor / fastgen_fairseq_patched: the patched HF processor / fairseq blocker as users call "
-            "them; hf_processor and fairseq_as_called run inside fastgen.unpatched(); "
-            "fairseq_as_called passes its pad-filled buffer, as SequenceGenerator does"
-        ),
-        "results": results,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    method = (
+        "median wall time per call after 3 warm-up calls, implementations interleaved round-robin "
+        "in a shuffled order; "
+        f"tokens random with each row's final (n-1)-gram planted {REPEATS_PER_ROW}x earlier; "
+        "fastgen works in place (fastgen_plus_clone adds the copy HF's out-of-place contract implies); "
+        "fastgen_processor / fastgen_fairseq_patched: the patched HF processor / fairseq blocker as users call "
+        "them; hf_processor and fairseq_as_called run inside fastgen.unpatched(); "
+        "fairseq_as_called passes its pad-filled buffer, as SequenceGenerator does"
+    )
+    write_report("ngram_op", argv, facts, method, results, out)
     for r in results:
         line = ", ".join(f"{k} {v:.3f} ms" for k, v in r["median_ms"].items())
         shape = f"{r['variant']} threads={r['threads']} N={r['rows']} L={r['length']} V={r['vocab']} n={r['n']}"
