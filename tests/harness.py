@@ -294,8 +294,14 @@ def _first_mismatch(reference: torch.Tensor, candidate: torch.Tensor) -> str:
     )
 
 
-def assert_close_scores(reference: torch.Tensor, candidate: torch.Tensor, what: str, atol: float, rtol: float) -> None:
-    """Equal where either is infinite, close elsewhere; reports the worst element on failure."""
+def assert_close_scores(
+    reference: torch.Tensor, candidate: torch.Tensor, what: str, atol: float, rtol: float, scale: float = 0.0
+) -> None:
+    """Equal where either is infinite, close elsewhere; reports the worst element on failure.
+
+    ``scale``: the magnitude the values were computed from, when larger than their own (a sequence score
+    sums log-probs, each as exact as the largest logit of its step allows).
+    """
     ref_inf, cand_inf = torch.isinf(reference), torch.isinf(candidate)
     assert torch.equal(ref_inf, cand_inf) and torch.equal(reference[ref_inf], candidate[cand_inf]), (
         f"{what}: -inf/+inf positions differ ({int((ref_inf != cand_inf).sum())} elements)"
@@ -303,7 +309,7 @@ def assert_close_scores(reference: torch.Tensor, candidate: torch.Tensor, what: 
     finite = ~ref_inf
     # fp32 log-probs carry an absolute error of a few ulp of the largest logit (log_softmax subtracts a
     # logsumexp of that size), so the absolute tolerance scales with the largest finite score.
-    scale = reference[finite].abs().max().item() if finite.any() else 0.0
+    scale = max(scale, reference[finite].abs().max().item() if finite.any() else 0.0)
     atol = max(atol, rtol * scale)
     torch.testing.assert_close(candidate[finite], reference[finite], atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
@@ -338,7 +344,11 @@ def assert_same_generation(
     assert ref_seq.shape == cand_seq.shape and torch.equal(ref_seq, cand_seq), _first_mismatch(ref_seq, cand_seq)
     if kwargs["return_dict_in_generate"]:
         if getattr(reference, "sequences_scores", None) is not None:
-            assert_close_scores(reference.sequences_scores, candidate.sequences_scores, "sequences_scores", atol, rtol)
+            steps = [step[torch.isfinite(step)] for step in reference.scores or ()]
+            step_scale = max((step.abs().max().item() for step in steps if step.numel()), default=0.0)
+            assert_close_scores(
+                reference.sequences_scores, candidate.sequences_scores, "sequences_scores", atol, rtol, step_scale
+            )
         if reference.scores is not None:
             assert len(reference.scores) == len(candidate.scores)
             for step, (ref, cand) in enumerate(zip(reference.scores, candidate.scores, strict=True)):

@@ -4,6 +4,7 @@ at different steps; whole-call fallback with one warning naming the argument oth
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from typing import Any
@@ -20,7 +21,8 @@ from tests import harness
 pytestmark = harness.requires_feature("beam")
 
 #: every default feature plus the opt-in loop
-FEATURES = sorted(set(fastgen.known_features()) - registry.OPT_IN_FEATURES | {"beam"})
+DEFAULT = sorted(set(fastgen.known_features()) - registry.OPT_IN_FEATURES)
+FEATURES = sorted({*DEFAULT, "beam"})
 
 #: gain on the EOS row of the LM head: inputs then finish at different steps (asserted below where
 #: the tiny model does so: t5 and gpt2 put too little mass on EOS to spread much).
@@ -33,8 +35,20 @@ EOS_GAIN = {
     "gpt2": 4.0,
     "llama": 4.0,
     "qwen2": 2.0,
+    "m2m_100": 3.0,
+    "mt5": 3.0,
+    "umt5": 2.0,
+    "whisper": 20.0,  # its tied head puts little mass on EOS
+    "mistral": 3.0,
+    "qwen3": 3.0,
+    "gemma2": 2.0,
+    "gemma3_text": 2.0,
+    "phi3": 2.0,
 }
-SPREAD = {"bart", "mbart", "marian", "pegasus", "llama", "qwen2"}
+assert set(EOS_GAIN) == set(harness.ENCODER_DECODER + harness.DECODER_ONLY), "every tiny family"
+SPREAD = set(EOS_GAIN) - {"t5", "gpt2"}
+#: tiny models none of whose inputs is frozen before the last step (asserted elsewhere that removal runs)
+NO_EARLY_FREEZE = {"gpt2", "whisper"}
 
 CASES: dict[str, dict[str, Any]] = {
     "lp0.5-early-ret3-norepeat": dict(
@@ -53,6 +67,23 @@ CASES: dict[str, dict[str, Any]] = {
         num_beams=3, num_return_sequences=2, length_penalty=1.5, early_stopping="never", eos_token_id=[harness.EOS, 5]
     ),
 }
+
+
+#: the issue's grid: length_penalty x early_stopping x num_return_sequences (1 or M), each cell with one
+#: of the supported processors in turn, so every processor meets every length penalty and stop rule
+_PROCESSOR_SETS = {
+    "norepeat": dict(no_repeat_ngram_size=2),
+    "encnorepeat": dict(encoder_no_repeat_ngram_size=2),
+    "badwords-suppress": dict(bad_words_ids=[[7], [9]], suppress_tokens=[11]),
+    "forcedbos-forcedeos": dict(forced_bos_token_id=5, forced_eos_token_id=harness.EOS),
+    "minlength": dict(min_new_tokens=5),
+}
+GRID: dict[str, dict[str, Any]] = {}
+for _i, (_lp, _early, _ret) in enumerate(itertools.product((0.5, 1.0, 1.5), (True, False, "never"), (1, 3))):
+    _name, _processors = list(_PROCESSOR_SETS.items())[_i % len(_PROCESSOR_SETS)]
+    GRID[f"lp{_lp}-early{_early}-ret{_ret}-{_name}"] = dict(
+        num_beams=3, num_return_sequences=_ret, length_penalty=_lp, early_stopping=_early, **_processors
+    )
 
 
 def eos_model(family: str):
@@ -82,12 +113,18 @@ def steps(monkeypatch) -> dict[str, int]:
 
 
 def finish_steps(model, inputs, sequences: torch.Tensor) -> set[int]:
-    """Position of the first EOS in each returned sequence's generated part (-1: none)."""
+    """Where each returned sequence's generated part ends: its first EOS, else the start of its trailing
+    padding (Whisper's plain-tensor output drops the EOS); -1 for a sequence that ran to the end."""
     start = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]
     ends = set()
-    for row in sequences[:, start:]:
-        hits = (row == harness.EOS).nonzero()
-        ends.add(int(hits[0]) if len(hits) else -1)
+    for row in sequences[:, start:].tolist():
+        if harness.EOS in row:
+            ends.add(row.index(harness.EOS))
+            continue
+        end = len(row)
+        while end and row[end - 1] == harness.PAD:
+            end -= 1
+        ends.add(end if end < len(row) else -1)
     return ends
 
 
@@ -103,6 +140,25 @@ def test_matches_upstream(models, steps, family, case):
     assert torch.equal(reference.beam_indices, candidate.beam_indices)
     if family in SPREAD and case == "lp0.5-early-ret3-norepeat":  # short-favouring: natural stops show
         assert len(finish_steps(model, inputs, reference.sequences)) >= 2, "inputs must finish at different steps"
+
+
+@pytest.mark.parametrize("case", list(GRID))
+@pytest.mark.parametrize("family", list(EOS_GAIN))
+def test_grid_matches_upstream(models, steps, family, case):
+    model = models[family]
+    inputs = harness.tiny_inputs(model, batch=3)
+    reference, candidate = harness.assert_same_generation(
+        model, inputs, features=FEATURES, max_new_tokens=10, **GRID[case]
+    )
+    assert steps["n"] > 0, "fastgen's loop did not run"
+    assert torch.equal(reference.beam_indices, candidate.beam_indices)
+    # On the same forwards (dedup's rounding included) the loop is upstream's arithmetic: bit for bit.
+    with fastgen.patched(DEFAULT):
+        loop_off = model.generate(
+            **inputs, max_new_tokens=10, output_scores=True, return_dict_in_generate=True, **GRID[case]
+        )
+    assert torch.equal(loop_off.sequences_scores, candidate.sequences_scores)
+    assert all(torch.equal(a, b) for a, b in zip(loop_off.scores, candidate.scores, strict=True))
 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
@@ -182,7 +238,7 @@ def test_finished_inputs_leave_the_batch(models, steps, dropped, family, case):
     kwargs = dict(return_dict_in_generate=False, max_new_tokens=14, **CASES[case])
     harness.assert_same_generation(model, inputs, features=["beam"], **kwargs)
     assert steps["n"] > 0
-    if family != "gpt2" and case.startswith("lp0.5"):  # the tiny gpt2 freezes no input early
+    if family not in NO_EARLY_FREEZE and case.startswith("lp0.5"):
         assert dropped["n"] > 0, "no input left the batch"
 
 
@@ -224,7 +280,7 @@ def test_inputs_leave_the_batch_with_the_dedup_caches_still_shared(models, steps
     left = assert_still_shared(shared[0], case["num_beams"])
     if family in SPREAD:
         assert len(finish_steps(model, inputs, reference)) >= 2, "inputs must finish at different steps"
-    if family != "gpt2":  # the tiny gpt2 freezes no input early
+    if family not in NO_EARLY_FREEZE:
         assert dropped["n"] > 0 and left < 5, "no input left the batch"
         assert "finished inputs left the batch" in report.ran["beam"]
 

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache
 from transformers.generation.logits_process import (
     EncoderNoRepeatNGramLogitsProcessor,
     ForcedBOSTokenLogitsProcessor,
@@ -178,7 +178,11 @@ def _is_plain_dynamic(cache: Any) -> bool:
     """Upstream's default caches, whose rows are exactly the B·M hypotheses (fastgen's dedup caches are not)."""
     if type(cache) is EncoderDecoderCache:
         return _is_plain_dynamic(cache.self_attention_cache) and _is_plain_dynamic(cache.cross_attention_cache)
-    return type(cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in cache.layers)
+    return type(cache) is DynamicCache and all(type(layer) in _PLAIN_LAYERS for layer in cache.layers)
+
+
+#: upstream's dynamic layers whose only per-row state is K/V (a sliding window's length is per cache)
+_PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 #: the method a cache that is not upstream's plain one provides so that finished inputs can leave the
