@@ -30,13 +30,18 @@ the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_log
 ``output_attentions`` / ``output_hidden_states``, any other logits processor (value-changing ones,
 custom ones, multi-token bad words, ...) or stopping criterion.
 
-The stop check (one host sync) runs every ``k`` steps (``FASTGEN_BEAM_STOP_CHECK_EVERY``; default 4
-on accelerators, 1 on CPU where a check costs nothing) when the outputs show nothing of the steps
-past an input's freeze; the length limit is checked on the host every step. With per-step scores or
-a returned cache it is upstream's check, every step.
+The step outside the forward runs a fixed set of ops whatever B and M are and reads nothing back to
+the host (ban ids go to the device once per call), except the stop check: one ``tolist()`` of a
+B-element flag every ``k`` steps (``FASTGEN_BEAM_STOP_CHECK_EVERY``; default 4 on accelerators, 1 on
+CPU where a check costs nothing), from which finished inputs also leave the batch, when the outputs
+show nothing of the steps past an input's freeze; the length limit is checked on the host every
+step. With per-step scores or a returned cache it is upstream's check, every step. (The CPU n-gram op
+gathers its few matches with ``nonzero``, free on CPU; on a GPU it takes its fixed-shape path.)
 
-Not done yet (issue 8, deliverable 2): the loop is not wired to the GPU kernels (it uses the exact
-torch path), and the removal itself syncs (``nonzero``) on the check steps where inputs leave.
+Not done (issue 8): the loop is not wired to the fused GPU kernels of :mod:`fastgen.ops.beam_topk`.
+It uses the exact torch path, because the kernels' values differ from upstream's by a few ulps and
+their tie order is their own, which a token-identical contract cannot accept without a GPU to show
+that the difference never flips a choice.
 """
 
 from __future__ import annotations
@@ -132,46 +137,69 @@ def unsupported_reason(
     return None
 
 
-def _apply_processors(processors: Any, sequences: torch.Tensor, log_probs: torch.Tensor, active: torch.Tensor) -> None:
-    """The supported processors, in list order, in place on the loop's own buffer.
+def _prepare_processors(processors: Any, vocab: int, device: torch.device) -> list[tuple[Any, torch.Tensor | None]]:
+    """Each supported processor with what it writes, on the device once per call (not once per step,
+    which would copy host lists to the device and filter ids with a sync every step): the token ids it
+    bans (ids outside [0, V) dropped, as upstream's ``isin`` over ``arange(V)`` ignores them), or for the
+    encoder n-gram ban the prompts."""
+    prepared: list[tuple[Any, torch.Tensor | None]] = []
+    for processor in processors or ():
+        kind, ids = type(processor), None
+        if kind in (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor):
+            ids = processor.eos_token_id
+        elif kind is SuppressTokensLogitsProcessor:
+            ids = processor.suppress_tokens
+        elif kind is SuppressTokensAtBeginLogitsProcessor:
+            ids = processor.begin_suppress_tokens
+        elif kind is NoBadWordsLogitsProcessor:  # single tokens only (checked): upstream adds a -inf bias
+            ids = [word[0] for word in processor.sequence_bias]
+        if ids is not None:
+            listed = torch.as_tensor(ids).reshape(-1).tolist()
+            ids = torch.tensor([i for i in listed if 0 <= i < vocab], dtype=torch.long, device=device)
+        elif kind is EncoderNoRepeatNGramLogitsProcessor:
+            ids = getattr(processor, ngram_patches._SNAPSHOT).ids.to(device)
+        prepared.append((processor, ids))
+    return prepared
+
+
+def _apply_processors(
+    processors: list[tuple[Any, torch.Tensor | None]],
+    sequences: torch.Tensor,
+    log_probs: torch.Tensor,
+    active: torch.Tensor,
+) -> None:
+    """The supported processors (:func:`_prepare_processors`), in list order, in place on the loop's own
+    buffer, with no host sync.
 
     Each one writes what upstream's returns (``-inf`` bans; a forced step: ``-inf`` everywhere and 0
     at the forced ids), under upstream's condition on the current length.
     """
     length = sequences.shape[-1]
-    for processor in processors:
+    neg_inf = float("-inf")
+    for processor, ids in processors:
         kind = type(processor)
         if kind is NoRepeatNGramLogitsProcessor:
             ban_repeated_ngrams(sequences, log_probs, processor.ngram_size)
         elif kind is MinLengthLogitsProcessor:
             if length < processor.min_length:
-                _ban_ids(log_probs, processor.eos_token_id)
+                log_probs.index_fill_(1, ids, neg_inf)
         elif kind is MinNewTokensLengthLogitsProcessor:
             if length - processor.prompt_length_to_skip < processor.min_new_tokens:
-                _ban_ids(log_probs, processor.eos_token_id)
+                log_probs.index_fill_(1, ids, neg_inf)
         elif kind is ForcedBOSTokenLogitsProcessor:
             if length == 1:
-                log_probs.fill_(float("-inf"))
+                log_probs.fill_(neg_inf)
                 log_probs[:, processor.bos_token_id] = 0
         elif kind is ForcedEOSTokenLogitsProcessor:
             if length == processor.max_length - 1:
-                log_probs.fill_(float("-inf"))
+                log_probs.fill_(neg_inf)
                 log_probs[:, processor.eos_token_id] = 0
-        elif kind is SuppressTokensLogitsProcessor:
-            _ban_ids(log_probs, processor.suppress_tokens)
-        elif kind is NoBadWordsLogitsProcessor:  # single tokens only (checked): upstream adds a -inf bias
-            _ban_ids(log_probs, [word[0] for word in processor.sequence_bias])
+        elif kind in (SuppressTokensLogitsProcessor, NoBadWordsLogitsProcessor):
+            log_probs.index_fill_(1, ids, neg_inf)
         elif kind is EncoderNoRepeatNGramLogitsProcessor:  # the prompts of the inputs still in the batch
-            prompts = getattr(processor, ngram_patches._SNAPSHOT).ids.to(log_probs.device)
-            ban_encoder_ngrams(prompts.index_select(0, active), sequences, log_probs, processor.ngram_size)
+            ban_encoder_ngrams(ids.index_select(0, active), sequences, log_probs, processor.ngram_size)
         elif kind is SuppressTokensAtBeginLogitsProcessor and length == processor.begin_index:
-            _ban_ids(log_probs, processor.begin_suppress_tokens)
-
-
-def _ban_ids(log_probs: torch.Tensor, ids: Any) -> None:
-    ids = torch.as_tensor(ids, device=log_probs.device).reshape(-1).long()
-    ids = ids[(ids >= 0) & (ids < log_probs.shape[-1])]  # upstream's isin over arange(V) ignores the rest
-    log_probs.index_fill_(1, ids, float("-inf"))
+            log_probs.index_fill_(1, ids, neg_inf)
 
 
 def _is_plain_dynamic(cache: Any) -> bool:
@@ -352,6 +380,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
     final_sequences, final_scores, final_indices = sequences.clone(), beam_scores.clone(), beam_indices.clone()
 
     flat_running_sequences = input_ids
+    processors = None  # prepared at the first step, when V is known
     prefill_consumed = False
     this_peer_finished = False
     model_outputs = self._prefill(
@@ -377,7 +406,9 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         del model_outputs
         log_probs = torch.log_softmax(logits, dim=-1)
         del logits
-        _apply_processors(logits_processor, flat_running_sequences, log_probs, active)
+        if processors is None:
+            processors = _prepare_processors(logits_processor, log_probs.shape[-1], log_probs.device)
+        _apply_processors(processors, flat_running_sequences, log_probs, active)
         if all_scores is not None:
             all_scores += (log_probs.clone(),)
         step = log_probs_top_k(log_probs, running_beam_scores, beams_to_keep)
@@ -466,11 +497,12 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         done = ~is_early_stop_heuristic_unsatisfied[:, 0]
         if early_stopping is True:
             done |= is_sent_finished.all(dim=1)
-        n_done = int(done.sum())  # the loop's one host sync, every check_every steps
-        if n_done == batch_size:
+        done = done.tolist()  # the loop's one host sync, every check_every steps
+        if all(done):
             this_peer_finished = True
-        elif removal and n_done:
-            gone, keep = done.nonzero().flatten(), (~done).nonzero().flatten()
+        elif removal and any(done):
+            gone = torch.tensor([i for i, d in enumerate(done) if d], device=active.device)
+            keep = torch.tensor([i for i, d in enumerate(done) if not d], device=active.device)
             final_sequences[active[gone]] = sequences[gone]
             final_scores[active[gone]] = beam_scores[gone]
             final_indices[active[gone]] = beam_indices[gone]
