@@ -91,11 +91,14 @@ def test_removal_is_timed_as_cache_work():
 def test_profiler_names_costs_outside_the_forward():
     model = tiny_hf_model("bart")
     inputs = tiny_inputs(model, batch=2)
-    with beam_steps.instrumented(model):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            profiled = beam_steps.Recorder(profile=True)
-            with fastgen.unpatched(), torch.inference_mode():
-                profiled.time(lambda: model.generate(**inputs, num_beams=2, max_new_tokens=4, min_new_tokens=4))
+    profiled = beam_steps.Recorder(profile=True)
+    with (
+        beam_steps.instrumented(model),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile,
+        fastgen.unpatched(),
+        torch.inference_mode(),
+    ):
+        profiled.time(lambda: model.generate(**inputs, num_beams=2, max_new_tokens=4, min_new_tokens=4))
     top = beam_steps.top_costs_outside_forward(profile)
     assert len(top) == 3
     assert all(entry["op"].startswith("aten::") and entry["part"] in ("beam_step", "cache_reorder") for entry in top)
