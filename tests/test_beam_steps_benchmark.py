@@ -99,9 +99,12 @@ def test_profiler_names_costs_outside_the_forward():
         torch.inference_mode(),
     ):
         profiled.time(lambda: model.generate(**inputs, num_beams=2, max_new_tokens=4, min_new_tokens=4))
-    top = beam_steps.top_costs_outside_forward(profile)
+    costs = beam_steps.op_costs_outside_forward(profile)
+    top = costs["top"]
     assert len(top) == 3
     assert all(entry["op"].startswith("aten::") and entry["part"] in ("beam_step", "cache_reorder") for entry in top)
     assert top[0]["self_cpu_ms"] >= top[1]["self_cpu_ms"] >= top[2]["self_cpu_ms"] > 0
     # what ran inside the forward (e.g. the decoder's linear layers) is not counted
     assert not any(entry["op"] in ("aten::addmm", "aten::mm", "aten::linear") for entry in top)
+    by_part = costs["op_self_cpu_ms_by_part"]
+    assert set(by_part) == {"beam_step", "cache_reorder"} and all(ms > 0 for ms in by_part.values())
