@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import fastgen
-from benchmarks import beam_steps
+from benchmarks import beam_steps, report
 from benchmarks.beam_loop import VARIANTS
 from tests.harness import tiny_hf_model, tiny_inputs
 
@@ -108,3 +110,11 @@ def test_profiler_names_costs_outside_the_forward():
     assert not any(entry["op"] in ("aten::addmm", "aten::mm", "aten::linear") for entry in top)
     by_part = costs["op_self_cpu_ms_by_part"]
     assert set(by_part) == {"beam_step", "cache_reorder"} and all(ms > 0 for ms in by_part.values())
+
+
+def test_readme_breakdown_tables_are_the_committed_results():
+    """The README's breakdown tables are what benchmarks.report makes of the committed JSON (no hand edits)."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme[readme.index(report.STEPS_BEGIN) + len(report.STEPS_BEGIN) : readme.index(report.STEPS_END)]
+    assert list(report.RESULTS.glob("beam_steps-*.json")), "no committed beam_steps results"
+    assert block.strip() == report.beam_steps_tables().strip()
