@@ -1,10 +1,12 @@
 """Where a beam search step's time goes: model forward, cache work, beam step — per variant of beam_loop.
 
     python -m benchmarks.beam_steps --scenario bart-base|marian|gpt2 [--rounds 3] [--out FILE.json]
+    python -m benchmarks.beam_steps --scenario bart-base-varlen   # inputs stop at different steps
 
 The three variants of :mod:`benchmarks.beam_loop` (upstream; the default features; the default
 features + the opt-in ``beam`` loop) run the scenario's ``generate`` call (benchmarks.scenarios,
-forced length) in a rotating order after a warm-up, in one process. Nothing in the library is edited;
+forced length; or benchmarks.varlen's natural stops, where the ``beam`` loop removes finished inputs
+from the batch) in a rotating order after a warm-up, in one process. Nothing in the library is edited;
 the call is timed from outside by instruments installed once for all variants (so they cost the same
 in each):
 
@@ -48,7 +50,8 @@ import transformers.cache_utils
 
 import fastgen
 import fastgen.models
-from benchmarks.beam_loop import VARIANTS
+from benchmarks import varlen
+from benchmarks.beam_loop import VARIANTS, VARLEN, VARLEN_SETTINGS
 from benchmarks.measure import environment
 from benchmarks.scenarios import SCENARIOS, Scenario
 
@@ -74,8 +77,8 @@ PARTS = (
 CLOCKS = {"thread_cpu": time.thread_time, "wall": time.perf_counter}
 #: label of a region in the torch profiler's trace
 LABEL_PREFIX = "beam_steps::"
-#: the scenarios this benchmark runs: plain HF scenarios that run on a CPU
-CHOICES = [name for name, s in SCENARIOS.items() if type(s) is Scenario and not s.gpu_only]
+#: the scenarios this benchmark runs: plain HF scenarios that run on a CPU, and beam_loop's variable-length one
+CHOICES = [name for name, s in SCENARIOS.items() if type(s) is Scenario and not s.gpu_only] + [VARLEN]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,16 +336,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    scenario = SCENARIOS[args.scenario]
-    settings = scenario.settings("cpu")
-    model, inputs, kwargs = scenario.build("cpu", torch.float32, settings)
+    if args.scenario == VARLEN:
+        settings = dict(VARLEN_SETTINGS)
+        model, inputs, kwargs, _ = varlen.prepare(**settings, generate=dict(SCENARIOS["bart-base"].generate))
+    else:
+        settings = SCENARIOS[args.scenario].settings("cpu")
+        model, inputs, kwargs = SCENARIOS[args.scenario].build("cpu", torch.float32, settings)
     names = list(VARIANTS)
 
     def run(variant: str, recorder: Recorder) -> torch.Tensor:
         features = VARIANTS[variant]
         scope = fastgen.unpatched() if features is None else fastgen.patched(features)
         with scope, torch.inference_mode():
-            return recorder.time(lambda: model.generate(**inputs, **kwargs)).sequences
+            out = recorder.time(lambda: model.generate(**inputs, **kwargs))
+        return out if isinstance(out, torch.Tensor) else out.sequences
 
     with instrumented(model) as wrapped:
         outputs = {name: run(name, Recorder()) for name in names}  # warm-up
@@ -407,6 +414,11 @@ def main(argv: list[str] | None = None) -> None:
         },
         "breakdown": results,
     }
+    if args.scenario == VARLEN:
+        report["variable_length"] = {
+            "how": varlen.__doc__,
+            "natural_lengths_upstream": varlen.natural_lengths(outputs["upstream"], pad=1),
+        }
     out = args.out or Path(__file__).resolve().parent / "results" / f"beam_steps-{args.scenario}-cpu.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     for name in names:
