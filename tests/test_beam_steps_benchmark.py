@@ -10,6 +10,7 @@ import torch
 import fastgen
 from benchmarks import beam_steps, report
 from benchmarks.beam_loop import VARIANTS
+from tests import harness
 from tests.harness import tiny_hf_model, tiny_inputs
 
 NEW_TOKENS = 6
@@ -118,3 +119,29 @@ def test_readme_breakdown_tables_are_the_committed_results():
     block = readme[readme.index(report.STEPS_BEGIN) + len(report.STEPS_BEGIN) : readme.index(report.STEPS_END)]
     assert list(report.RESULTS.glob("beam_steps-*.json")), "no committed beam_steps results"
     assert block.strip() == report.beam_steps_tables().strip()
+
+
+def test_removal_of_finished_inputs_is_cache_work_under_the_beam_loop():
+    """Natural stops at different steps (EOS row of the head scaled, as in the beam loop tests): with ``beam``
+    finished inputs leave the batch, timed as cache_removal; the parts still add up; same sequences."""
+    model = tiny_hf_model("bart")
+    with torch.no_grad():
+        model.get_output_embeddings().weight[harness.EOS] *= 2.0
+    inputs = tiny_inputs(model, batch=5)
+    kwargs = dict(num_beams=3, no_repeat_ngram_size=2, max_new_tokens=14, return_dict_in_generate=False)
+    sequences = {}
+    with beam_steps.instrumented(model):
+        for variant in ("upstream", "default+beam"):
+            recorder = beam_steps.Recorder()
+            features = VARIANTS[variant]
+            scope = fastgen.unpatched() if features is None else fastgen.patched(features)
+            with scope, torch.inference_mode():
+                sequences[variant] = recorder.time(lambda: model.generate(**inputs, **kwargs))
+            removals = beam_steps.call_counts(recorder)["cache_removal"]
+            assert (removals > 0) == (variant == "default+beam"), (variant, removals)
+            result = beam_steps.breakdown(recorder)["thread_cpu"]
+            assert sum(result["parts"].values()) == pytest.approx(result["total"], rel=1e-9, abs=1e-9)
+            assert (result["parts"]["cache_removal"] > 0) == (variant == "default+beam")
+    assert torch.equal(sequences["upstream"], sequences["default+beam"])
+    lengths = (sequences["upstream"] != harness.PAD).sum(dim=1)
+    assert len(set(lengths.tolist())) >= 2, "inputs must stop at different steps"
