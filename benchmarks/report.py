@@ -1,6 +1,6 @@
 """Regenerates the README's results table from ``benchmarks/results/*.json``.
 
-python -m benchmarks.report          # rewrite the table between the README markers
+python -m benchmarks.report          # rewrite the tables between the README markers
 """
 
 from __future__ import annotations
@@ -60,11 +60,72 @@ def table() -> str:
     return "\n".join([header, *[r for r in rows if r], *footnotes])
 
 
+# The per-step breakdown tables of benchmarks/beam_steps.py (README, "Beam search per-step breakdown").
+STEPS_BEGIN, STEPS_END = "<!-- beam-steps:begin -->", "<!-- beam-steps:end -->"
+_STEP_ROWS = {
+    "encoder": "encoder",
+    "first_forward": "first forward (prefill)",
+    "forwards": "later forwards",
+    "cache_reorder": "cache: reorder",
+    "cache_removal": "cache: finished inputs removed",
+    "cache_other": "cache: other",
+    "fold": "fold of the returned cache",
+    "beam_step": "beam step (the rest)",
+}
+_PROFILED = "profiler_outside_forward"
+_STEP_COLUMNS = {"upstream": "upstream", "default": "before: default", "default+beam": "after: default+beam"}
+
+
+def beam_steps_table(r: dict) -> str:
+    """One scenario's breakdown: thread CPU ms per ``generate`` call and share, per-step medians, profiler tops."""
+    s, b = r["settings"], r["breakdown"]
+    names = [n for n in _STEP_COLUMNS if n in b]
+    cpu = {n: b[n]["thread_cpu_ms"] for n in names}
+    search = ", ".join(f"{k} {v}" for k, v in s["generate"].items() if k not in ("max_new_tokens", "min_new_tokens"))
+    load = r["load_average"]
+    lines = [
+        f"**{r['scenario']}** ({s['batch']}×{s['input_len']}→{s['new_tokens']}, {search}): thread CPU ms per "
+        f"`generate` call (share of the call), medians of {r['rounds']} alternating rounds; load average "
+        f"{load['start'][0]} → {load['end'][0]}; identical outputs: {'yes' if r['identical_outputs'] else 'NO'}; "
+        f"commit {r['environment'].get('git_commit') or '?'}",
+        "",
+        "| part | " + " | ".join(_STEP_COLUMNS[n] for n in names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for part, label in _STEP_ROWS.items():
+        if all(cpu[n]["totals_median"][part] == 0 for n in names):
+            continue
+        cells = [f"{cpu[n]['totals_median'][part]:.1f} ({100 * cpu[n]['share'][part]:.1f}%)" for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{cpu[n]['totals_median']['total']:.1f}**" for n in names) + " |")
+    wall = [f"{b[n]['wall_ms']['totals_median']['total']:.1f}" for n in names]
+    lines.append("| total, wall clock | " + " | ".join(wall) + " |")
+    for key, label in (("forward", "forward"), ("cache", "cache"), ("beam_step", "beam step")):
+        cells = [f"{cpu[n]['per_step_median'][key]:.2f}" for n in names]
+        lines.append(f"| per step: {label} | " + " | ".join(cells) + " |")
+    tops = [
+        "<br>".join(f"{t['op']} {t['self_cpu_ms']:.0f} ms ({t['part']})" for t in b[n][_PROFILED]["top"]) for n in names
+    ]
+    lines.append("| largest op costs outside the forward (profiler) | " + " | ".join(tops) + " |")
+    return "\n".join(lines)
+
+
+def beam_steps_tables() -> str:
+    results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("beam_steps-*.json"))]
+    return "\n\n".join(beam_steps_table(r) for r in results)
+
+
+def _replace_block(text: str, begin: str, end: str, body: str) -> str:
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[:start] + "\n" + body + "\n" + text[stop:]
+
+
 def main() -> None:
     readme = ROOT / "README.md"
-    text = readme.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    readme.write_text(text[:start] + "\n" + table() + "\n" + text[end:])
+    text = _replace_block(readme.read_text(), BEGIN, END, table())
+    if STEPS_BEGIN in text:
+        text = _replace_block(text, STEPS_BEGIN, STEPS_END, beam_steps_tables())
+    readme.write_text(text)
 
 
 if __name__ == "__main__":

@@ -80,13 +80,20 @@ class Scenario:
         """Why upstream and fastgen outputs differ on purpose here; None: they must be identical."""
         return None
 
-    def prepare(self, device: str, dtype: torch.dtype, settings: dict[str, Any]) -> Callable[[], Generation]:
+    def build(
+        self, device: str, dtype: torch.dtype, settings: dict[str, Any]
+    ) -> tuple[transformers.PreTrainedModel, dict[str, torch.Tensor], dict[str, Any]]:
+        """The model, inputs and ``generate`` kwargs that :meth:`prepare` times (for benchmarks timing parts of it)."""
         config = getattr(transformers, self.config_class)(**self.config)
         torch.manual_seed(0)
         model = getattr(transformers, self.model_class)(config).to(device=device, dtype=dtype).eval()
         inputs = self.inputs(model, settings["batch"], settings["input_len"])
         n = settings["new_tokens"]
         kwargs = dict(self.generate, max_new_tokens=n, min_new_tokens=n, return_dict_in_generate=True)
+        return model, inputs, kwargs
+
+    def prepare(self, device: str, dtype: torch.dtype, settings: dict[str, Any]) -> Callable[[], Generation]:
+        model, inputs, kwargs = self.build(device, dtype, settings)
 
         def run() -> Generation:
             if kwargs.get("do_sample"):
