@@ -163,7 +163,6 @@ def beam_search(
     tokens = torch.full((bsz * beam, max_len + 2), gen.pad, dtype=torch.long, device=device)
     tokens[:, 0] = gen.eos if bos_token is None else bos_token
     attn: torch.Tensor | None = None
-    cands_to_ignore = torch.zeros(bsz, beam, dtype=torch.bool, device=device)  # finished hypotheses' slots
     finalized: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(bsz)]
     finished = [False] * bsz
     remaining = bsz
@@ -180,7 +179,9 @@ def beam_search(
                 reorder_state.view(-1, beam).add_(shift.unsqueeze(-1) * beam)
             model.reorder_incremental_state(incremental_states, reorder_state)
             encoder_outs = model.reorder_encoder_out(encoder_outs, reorder_state)
-        lprobs, avg_attn = model.forward_decoder(tokens[:, : step + 1], encoder_outs, incremental_states, gen.temperature)
+        lprobs, avg_attn = model.forward_decoder(
+            tokens[:, : step + 1], encoder_outs, incremental_states, gen.temperature
+        )
 
         _edit_log_probs(gen, lprobs, step, max_len)
         if prefix_tokens is not None and step < prefix_tokens.size(1) and step < max_len:
@@ -204,7 +205,6 @@ def beam_search(
 
         # Finish the hypotheses whose candidate among the first `beam` is EOS.
         eos_mask = cand_indices.eq(gen.eos) & cand_scores.ne(-math.inf)
-        eos_mask[:, :beam][cands_to_ignore] = False
         eos_bbsz_idx = torch.masked_select(cand_bbsz_idx[:, :beam], mask=eos_mask[:, :beam])
         finalized_sents: list[int] = []
         if eos_bbsz_idx.numel() > 0:
@@ -229,7 +229,7 @@ def beam_search(
             cand_bbsz_idx = cand_beams + bbsz_offsets
             if prefix_tokens is not None:
                 prefix_tokens = prefix_tokens[kept]
-            src_lengths, cands_to_ignore = src_lengths[kept], cands_to_ignore[kept]
+            src_lengths = src_lengths[kept]
             scores, tokens = _keep_rows(scores, kept, bsz), _keep_rows(tokens, kept, bsz)
             if attn is not None:
                 attn = _keep_rows(attn, kept, bsz)
@@ -237,12 +237,11 @@ def beam_search(
         else:
             kept = None
 
-        # Continue with the first `beam` candidates that are not EOS (nor finished slots).
-        eos_mask[:, :beam] |= cands_to_ignore
+        # Continue with the first `beam` candidates that are not EOS. Upstream also tracks slots to
+        # ignore ("cands_to_ignore"), which BeamSearch never sets: a beam adds at most one EOS to the
+        # 2·beam distinct candidates, so at least `beam` of them are not EOS.
         active_mask = eos_mask.type_as(cand_offsets) * cand_size + cand_offsets[: eos_mask.size(1)]
-        new_cands_to_ignore, active_hypos = torch.topk(active_mask, k=beam, dim=1, largest=False)
-        cands_to_ignore = new_cands_to_ignore.ge(cand_size)[:, :beam]
-        assert (~cands_to_ignore).any(dim=1).all()
+        active_hypos = torch.topk(active_mask, k=beam, dim=1, largest=False).indices
         active_bbsz_idx = torch.gather(cand_bbsz_idx, dim=1, index=active_hypos).view(-1)
 
         tokens[:, : step + 1] = torch.index_select(tokens[:, : step + 1], dim=0, index=active_bbsz_idx)
