@@ -263,3 +263,23 @@ def test_ensemble_runs_upstream(model_and_dictionary, sample, fresh_warnings):
     _assert_same(run(fastgen.unpatched()), run(fastgen.patched(["beam"])))
     warnings = [r.getMessage() for r in fresh_warnings.records if "beam]" in r.getMessage()]
     assert len(warnings) == 1 and "2 models" in warnings[0], warnings
+
+
+def test_no_full_vocabulary_compare_index_put_or_add_outside_the_model():
+    """Upstream's NaN line (N×V ``ne`` + boolean ``index_put_``) and ``BeamSearch.step``'s out-of-place
+    ``lprobs + score`` are gone; everything over the vocabulary after the forward is in place."""
+    from torch.profiler import profile
+
+    model, dictionary = harness.tiny_fairseq_transformer(vocab=71)  # a width no other tensor has
+    sample = harness.tiny_fairseq_sample(dictionary, batch=3)
+    vocab = len(dictionary)
+    counts = {}
+    for variant, scope in (("upstream", fastgen.unpatched()), ("fastgen", fastgen.patched(["dedup", "beam"]))):
+        with scope, profile(record_shapes=True) as prof:
+            _generate(model, dictionary, sample, beam_size=4)
+        counts[variant] = {
+            name: sum(e.name == name and any(s and s[-1] == vocab for s in e.input_shapes) for e in prof.events())
+            for name in ("aten::ne", "aten::index_put_", "aten::add")
+        }
+    assert all(n > 0 for n in counts["upstream"].values()), counts  # the test sees what it looks for
+    assert not any(counts["fastgen"].values()), counts
