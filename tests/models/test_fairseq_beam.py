@@ -91,6 +91,26 @@ def test_sentences_finish_at_different_steps_and_leave_the_batch(model_and_dicti
     assert len(ends) > 2, ends  # hypotheses finish at several steps
 
 
+def test_dedup_keeps_one_encoder_out_per_input_in_the_loop(model_and_dictionary, sample, monkeypatch):
+    """With ``dedup`` the loop never expands ``encoder_out`` to B·M rows; it only drops finished inputs."""
+    from fairseq.models.transformer import TransformerEncoderBase
+
+    rows: list[int] = []
+    original = TransformerEncoderBase.reorder_encoder_out
+
+    def spy(self, encoder_out, new_order):
+        rows.append(new_order.numel())
+        return original(self, encoder_out, new_order)
+
+    monkeypatch.setattr(TransformerEncoderBase, "reorder_encoder_out", spy)
+    model, dictionary = model_and_dictionary
+    with fastgen.patched(["dedup", "beam"]), fastgen.report() as report:
+        hypos = _generate(model, dictionary, sample, beam_size=4)
+    assert report.fast_path("beam"), str(report)
+    assert min(_lengths(hypos)) < max(_lengths(hypos))
+    assert rows and all(n < 4 for n in rows), rows  # 4 inputs: only shrinking reorders, never 16 rows
+
+
 @pytest.mark.parametrize("features", [[], ["dedup"]], ids=["plain", "dedup"])
 def test_min_len(model_and_dictionary, sample, features):
     model, dictionary = model_and_dictionary
