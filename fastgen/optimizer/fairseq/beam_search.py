@@ -116,7 +116,7 @@ def _edit_log_probs(gen: Any, lprobs: torch.Tensor, step: int, max_len: int) -> 
 def _candidates(lprobs: torch.Tensor, scores: torch.Tensor, step: int, bsz: int, beam: int):
     """``BeamSearch.step``: the 2·beam best (score, token, beam) per sentence; ``lprobs`` is overwritten."""
     vocab = lprobs.shape[1]
-    if step == 0:  # every hypothesis is the same: beam 0's rows only, nothing to add
+    if step == 0:  # every hypothesis is the same: beam 0's rows only; upstream adds nothing, + 0.0 keeps each value
         rows, running = lprobs.view(bsz, beam, vocab)[:, 0, :], scores.new_zeros(bsz, 1)
     else:
         rows, running = lprobs, scores.view(bsz, beam, -1)[:, :, step - 1]
