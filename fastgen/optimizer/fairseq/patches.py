@@ -38,3 +38,26 @@ PATCHES += [
         expects=("self", "tokens", "lprobs", "bsz", "beam_size", "step"),
     ),
 ]
+
+# ---------------------------------------------------------------------------- beam (opt-in)
+_BEAM = "fastgen.optimizer.fairseq.beam_search"
+
+PATCHES += [
+    # fastgen's beam loop (in-place NaN fix, fused add + top-k); the dedup wrapper composes with it.
+    Patch(
+        "beam",
+        "fairseq.sequence_generator:SequenceGenerator.generate",
+        f"{_BEAM}:make_generate",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "models", "sample"),
+    ),
+    Patch(
+        "beam",
+        "fairseq.sequence_generator:SequenceGenerator.forward",
+        f"{_BEAM}:make_forward",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "sample", "prefix_tokens", "bos_token"),
+    ),
+]
