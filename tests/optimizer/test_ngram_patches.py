@@ -62,6 +62,10 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Spy]:
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, spy.wrap(name, getattr(module, name)))
         monkeypatch.setattr(module, "fallback", lambda feature, reason: spy.fallbacks.append(reason))
+    from fastgen.optimizer.transformers import beam_search  # fastgen's beam loop calls the ops itself
+
+    for name in ("ban_repeated_ngrams", "ban_encoder_ngrams"):
+        monkeypatch.setattr(beam_search, name, spy.wrap(name, getattr(beam_search, name)))
     yield spy
 
 

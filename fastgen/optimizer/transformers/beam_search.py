@@ -74,7 +74,7 @@ from fastgen.models._caches import hypothesis_rows
 from fastgen.ops.beam_topk import log_probs_top_k
 from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
 from fastgen.optimizer import report
-from fastgen.optimizer.registry import fallback
+from fastgen.optimizer.registry import fallback, feature_enabled
 from fastgen.optimizer.transformers import ngram as ngram_patches
 
 FEATURE = "beam"
@@ -202,6 +202,17 @@ def _apply_processors(
             log_probs.index_fill_(1, ids, neg_inf)
 
 
+def _note_ngram_bans(processors: Any) -> None:
+    """The loop bans n-grams with fastgen's n-gram op itself (not through the processors' patched
+    ``__call__``): say so under the ``ngram`` feature when it is on, as its processors would."""
+    owner = ngram_patches.FEATURE if feature_enabled(ngram_patches.FEATURE) else FEATURE
+    for processor in processors or ():
+        if type(processor) is NoRepeatNGramLogitsProcessor:
+            report.note_ran(owner, "no_repeat_ngram_size on fastgen's n-gram op")
+        elif type(processor) is EncoderNoRepeatNGramLogitsProcessor:
+            report.note_ran(owner, "encoder_no_repeat_ngram_size on fastgen's n-gram op")
+
+
 def _is_plain_dynamic(cache: Any) -> bool:
     """Upstream's default caches, whose rows are exactly the B·M hypotheses (fastgen's dedup caches are not)."""
     if type(cache) is EncoderDecoderCache:
@@ -321,6 +332,7 @@ def make_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
                 self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **model_kwargs
             )
         report.note_ran(FEATURE, "fastgen's beam search loop")
+        _note_ngram_bans(logits_processor)
         return _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
     return beam_search
