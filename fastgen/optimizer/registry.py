@@ -218,8 +218,21 @@ def _load_factory(path: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module_name), func_name)
 
 
-def _apply(patch: Patch) -> None:
-    """Install ``patch`` now; its module must be imported. Records the outcome in status."""
+def _factory_module(patch: Patch) -> str:
+    return patch.factory.partition(":")[0]
+
+
+def _initializing(module_name: str) -> bool:
+    """Whether ``module_name`` is being imported right now (in ``sys.modules``, not yet executed)."""
+    module = sys.modules.get(module_name)
+    return module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
+def _apply(patch: Patch, executed: str | None = None) -> None:
+    """Install ``patch`` now; its module must be imported. Records the outcome in status.
+
+    ``executed``: a module whose code has just run to its end (its import is still finishing).
+    """
     problem = version_problem(patch)
     if problem:
         _state.status[patch] = f"skipped: {problem}"
@@ -244,6 +257,11 @@ def _apply(patch: Patch) -> None:
         _state.status[patch] = f"skipped: {problem}"
         _warn_once(patch.feature, f"{patch.target}: {problem}")
         return
+    if _factory_module(patch) != executed and _initializing(_factory_module(patch)):
+        # The factory's own module imports the target (e.g. a loop module importing the module whose
+        # method it replaces) and is only half executed: apply once it has finished (_PatchOnImport).
+        _state.status[patch] = f"pending: applied when {_factory_module(patch)} has been imported"
+        return
     try:
         replacement = _load_factory(patch.factory)(func)
     except Exception as exc:  # a broken factory must never break the user's program
@@ -266,11 +284,19 @@ def _restore(patch: Patch) -> None:
         setattr(record.owner, record.name, record.original)
 
 
+def _ready(patch: Patch, imported: str) -> bool:
+    """Whether ``patch`` can be applied now that module ``imported`` has been executed."""
+    if patch.module == imported:
+        return True
+    return _factory_module(patch) == imported and patch.module in sys.modules and not _initializing(patch.module)
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Applies pending patches right after their target module is first imported."""
+    """Applies pending patches right after their target module is first imported (or, when the
+    factory's module imported the target while being imported itself, right after the factory's)."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if _state.enabled_features is None or not any(p.module == fullname for p in _pending()):
+        if _state.enabled_features is None or not any(fullname in (p.module, _factory_module(p)) for p in _pending()):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -289,8 +315,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             original_exec(module)
             with _lock:
                 for patch in _pending():
-                    if patch.module == fullname:
-                        _apply(patch)
+                    if _ready(patch, fullname):
+                        _apply(patch, executed=fullname)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

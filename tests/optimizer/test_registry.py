@@ -149,6 +149,24 @@ def test_patch_applied_when_module_is_imported_later(fake_registry):
     sys.modules.pop(name, None)
 
 
+def test_patch_whose_factory_module_imports_the_target_is_applied(fake_registry):
+    """Importing the factory's module first imports the target mid-way (the factory is not defined
+    yet): the patch stays pending and is applied once the factory's module has been executed."""
+    target, factory = "tests.optimizer.fake_circular_target", "tests.optimizer.fake_circular_factory"
+    for name in (target, factory):
+        sys.modules.pop(name, None)
+    fake_registry.append(Patch("fake", f"{target}:compute", f"{factory}:make_compute", "torch", ">=2"))
+    fastgen.enable()
+    from tests.optimizer import fake_circular_factory, fake_circular_target
+
+    assert next(r for r in fastgen.status() if r.target.startswith(target)).state == "applied"
+    assert fake_circular_target.compute(2) == -3 and fake_circular_factory.ORIGINAL(2) == 3
+    fastgen.disable()
+    assert fake_circular_target.compute(2) == 3
+    for name in (target, factory):
+        sys.modules.pop(name, None)
+
+
 def test_fallback_warns_once_per_reason(fake_registry, caplog):
     registry._state.warned.clear()
     fastgen.enable()
