@@ -3,12 +3,12 @@
     python -m benchmarks.beam_steps --scenario bart-base|marian|gpt2 [--rounds 3] [--out FILE.json]
     python -m benchmarks.beam_steps --scenario bart-base-varlen   # inputs stop at different steps
 
-The three variants of :mod:`benchmarks.beam_loop` (upstream; the default features; the default
-features + the opt-in ``beam`` loop) run the scenario's ``generate`` call (benchmarks.scenarios,
-forced length; or benchmarks.varlen's natural stops, where the ``beam`` loop removes finished inputs
-from the batch) in a rotating order after a warm-up, in one process. Nothing in the library is edited;
-the call is timed from outside by instruments installed once for all variants (so they cost the same
-in each):
+The three variants of :mod:`benchmarks.beam_loop` (upstream; the default features without the
+``beam`` loop, named "default" from when the loop was opt-in; every default feature, "default+beam")
+run the scenario's ``generate`` call (benchmarks.scenarios, forced length; or benchmarks.varlen's
+natural stops, where the ``beam`` loop removes finished inputs from the batch) in a rotating order
+after a warm-up, in one process. Nothing in the library is edited; the call is timed from outside
+by instruments installed once for all variants (so they cost the same in each):
 
 * forward pre/post hooks on the model (the first call of a ``generate`` is the prefill, reported
   apart) and on its encoder;

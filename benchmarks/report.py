@@ -73,7 +73,11 @@ _STEP_ROWS = {
     "beam_step": "beam step (the rest)",
 }
 _PROFILED = "profiler_outside_forward"
-_STEP_COLUMNS = {"upstream": "upstream", "default": "before: default", "default+beam": "after: default+beam"}
+_STEP_COLUMNS = {
+    "upstream": "upstream",
+    "default": "before: without the loop",
+    "default+beam": "after: with the loop (default)",
+}
 
 
 def beam_steps_table(r: dict) -> str:

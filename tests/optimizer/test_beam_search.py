@@ -1,4 +1,4 @@
-"""fastgen's beam search loop (feature ``beam``, opt-in) against upstream's ``_beam_search``:
+"""fastgen's beam search loop (feature ``beam``, on by default) against upstream's ``_beam_search``:
 token-identical sequences and scores on every tiny family, batch 3 with padding, inputs finishing
 at different steps; whole-call fallback with one warning naming the argument otherwise."""
 
@@ -21,9 +21,9 @@ from tests import harness
 
 pytestmark = harness.requires_feature("beam")
 
-#: every default feature plus the opt-in loop
-DEFAULT = sorted(set(fastgen.known_features()) - registry.OPT_IN_FEATURES)
-FEATURES = sorted({*DEFAULT, "beam"})
+#: every default feature (the loop included), and the same without the loop
+FEATURES = sorted(set(fastgen.known_features()) - registry.OPT_IN_FEATURES)
+WITHOUT_LOOP = sorted(set(FEATURES) - {"beam"})
 
 #: gain on the EOS row of the LM head: inputs then finish at different steps (asserted below where
 #: the tiny model does so: t5 and gpt2 put too little mass on EOS to spread much).
@@ -154,7 +154,7 @@ def test_grid_matches_upstream(models, steps, family, case):
     assert steps["n"] > 0, "fastgen's loop did not run"
     assert torch.equal(reference.beam_indices, candidate.beam_indices)
     # On the same forwards (dedup's rounding included) the loop is upstream's arithmetic: bit for bit.
-    with fastgen.patched(DEFAULT):
+    with fastgen.patched(WITHOUT_LOOP):
         loop_off = model.generate(
             **inputs, max_new_tokens=10, output_scores=True, return_dict_in_generate=True, **GRID[case]
         )
@@ -190,11 +190,11 @@ def test_unsupported_arguments_run_upstream_with_one_warning(models, steps, capl
     assert any(named in r.getMessage() and "falling back" in r.getMessage() for r in caplog.records)
 
 
-def test_opt_in_only():
+def test_on_by_default_and_can_be_left_out():
     with fastgen.patched():
-        assert not registry.feature_enabled("beam")
-    with fastgen.patched(["beam"]):
         assert registry.feature_enabled("beam")
+    with fastgen.patched(WITHOUT_LOOP):
+        assert not registry.feature_enabled("beam")
 
 
 def test_removal_needs_an_input_group_select_on_other_caches():

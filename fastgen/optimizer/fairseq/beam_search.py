@@ -1,4 +1,4 @@
-"""fairseq 0.12 ``SequenceGenerator`` beam search with fastgen's step ("beam", opt-in).
+"""fairseq 0.12 ``SequenceGenerator`` beam search with fastgen's step (feature "beam").
 
 Upstream's ``_generate`` spends, per step and outside the model, most of its time in one line:
 ``lprobs[lprobs != lprobs] = -inf`` — a full N×V comparison, then a boolean-mask ``index_put_``

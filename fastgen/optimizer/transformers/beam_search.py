@@ -1,4 +1,4 @@
-"""fastgen's own ``GenerationMixin._beam_search`` (feature ``beam``, opt-in while unfinished).
+"""fastgen's own ``GenerationMixin._beam_search`` (feature ``beam``).
 
 What changes against HF 5.23's loop, and why the outputs stay token-identical:
 - Steps b–c (normalise, process, add the running scores, top-k over M·V) run as one

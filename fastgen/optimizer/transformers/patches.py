@@ -102,7 +102,7 @@ PATCHES += [
 
 # ---------------------------------------------------------------------------- beam
 # fastgen's own beam search loop (fastgen.optimizer.transformers.beam_search): the fused beam top-k
-# step and in-place bans; opt-in (registry.OPT_IN_FEATURES) until finished inputs leave the batch.
+# step, in-place bans, finished inputs leaving the batch; on by default.
 PATCHES += [
     Patch(
         feature="beam",
