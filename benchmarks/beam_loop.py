@@ -27,7 +27,7 @@ import torch
 
 import fastgen
 from benchmarks import varlen
-from benchmarks.measure import environment
+from benchmarks.measure import environment, rotating_order
 from benchmarks.scenarios import SCENARIOS
 
 VARLEN = "bart-base-varlen"
@@ -92,11 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     load_start = [round(x, 2) for x in os.getloadavg()]
-    for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            outputs[name], seconds, cpu_seconds = run(name)
-            wall[name].append(seconds)
-            cpu[name].append(cpu_seconds)
+    for name in rotating_order(names, args.rounds):
+        outputs[name], seconds, cpu_seconds = run(name)
+        wall[name].append(seconds)
+        cpu[name].append(cpu_seconds)
     medians = {name: statistics.median(wall[name]) for name in names}
     cpu_medians = {name: statistics.median(cpu[name]) for name in names}
     report = {

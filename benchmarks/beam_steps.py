@@ -52,7 +52,7 @@ import fastgen
 import fastgen.models
 from benchmarks import varlen
 from benchmarks.beam_loop import VARIANTS, VARLEN, VARLEN_SETTINGS
-from benchmarks.measure import environment
+from benchmarks.measure import environment, rotating_order
 from benchmarks.scenarios import SCENARIOS, Scenario
 
 #: cache method -> the part of the step its time goes to
@@ -356,12 +356,11 @@ def main(argv: list[str] | None = None) -> None:
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         counts = {}
         load_start = [round(x, 2) for x in os.getloadavg()]
-        for r in range(args.rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                recorder = Recorder()
-                outputs[name] = run(name, recorder)
-                rounds[name].append(breakdown(recorder))
-                counts[name] = call_counts(recorder)
+        for name in rotating_order(names, args.rounds):
+            recorder = Recorder()
+            outputs[name] = run(name, recorder)
+            rounds[name].append(breakdown(recorder))
+            counts[name] = call_counts(recorder)
         load_end = [round(x, 2) for x in os.getloadavg()]
         top = {}
         for name in names:  # not among the timed rounds: the profiler's own overhead is large

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import fastgen
-from benchmarks.measure import environment
+from benchmarks.measure import environment, rotating_order
 from benchmarks.scenarios import FairseqScenario
 
 BART_BASE_WIDTH = dict(
@@ -108,11 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     total: dict[str, list[float]] = {name: [] for name in names}
     step_ms: dict[str, list[float]] = {name: [] for name in names}
     load_start = [round(x, 2) for x in os.getloadavg()]
-    for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            outputs[name], seconds, model_seconds, steps = run(name)
-            total[name].append(seconds)
-            step_ms[name].append(1e3 * (seconds - model_seconds) / steps)
+    for name in rotating_order(names, args.rounds):
+        outputs[name], seconds, model_seconds, steps = run(name)
+        total[name].append(seconds)
+        step_ms[name].append(1e3 * (seconds - model_seconds) / steps)
     med_total = {n: statistics.median(total[n]) for n in names}
     med_step = {n: statistics.median(step_ms[n]) for n in names}
     result = {

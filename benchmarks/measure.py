@@ -7,7 +7,7 @@ import platform
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +36,13 @@ class _RssSampler(threading.Thread):
         self._done.set()
         self.join()
         return max(self.peak, _rss_bytes()) - self.base
+
+
+def rotating_order(names: list[str], rounds: int) -> Iterator[str]:
+    """Each variant once per round, each round starting one variant later, so that drift (load, warm
+    caches, allocator state) hits every variant alike."""
+    for r in range(rounds):
+        yield from names[r % len(names) :] + names[: r % len(names)]
 
 
 def _rss_bytes() -> int:
