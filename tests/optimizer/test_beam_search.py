@@ -474,3 +474,76 @@ def test_the_step_runs_a_fixed_number_of_ops_and_no_sync(models, monkeypatch, fa
         counts.append(outermost)
     assert counts[0] == counts[1], set(counts[0].items()) ^ set(counts[1].items())
     assert sum(counts[0].values()) > 0
+
+
+#: architectures outside fastgen's tiny families (no dedup for them): the loop, on by default, serves
+#: them too, so it must equal upstream there as well: ALiBi (Bloom), a state cache (Mamba), FSMT, LED
+_OTHER_ARCHITECTURES = {
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32),
+    ),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=32, n_layer=2, n_head=4)),
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(hidden_size=32, num_hidden_layers=2, state_size=8)),
+    "fsmt": (
+        "FSMTConfig",
+        "FSMTForConditionalGeneration",
+        dict(
+            src_vocab_size=harness.VOCAB,
+            tgt_vocab_size=harness.VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            decoder_start_token_id=harness.EOS,
+            langs=["en", "de"],
+        ),
+    ),
+    "led": (
+        "LEDConfig",
+        "LEDForConditionalGeneration",
+        dict(
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_encoder_position_embeddings=64,
+            max_decoder_position_embeddings=64,
+            attention_window=8,
+            decoder_start_token_id=harness.EOS,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("architecture", list(_OTHER_ARCHITECTURES))
+def test_other_architectures_equal_upstream(steps, architecture):
+    import transformers
+
+    config_class, model_class, config = _OTHER_ARCHITECTURES[architecture]
+    tokens = dict(
+        vocab_size=harness.VOCAB,
+        pad_token_id=harness.PAD,
+        bos_token_id=harness.BOS,
+        eos_token_id=harness.EOS,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**tokens, **config)).eval()
+    with torch.no_grad():  # wide random weights: peaked, input-dependent distributions
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.3)
+    inputs = harness.tiny_inputs(model, batch=3)
+    case = CASES["lp0.5-early-ret3-norepeat"]
+    reference, _, report = harness.assert_same_generation(
+        model, inputs, features=FEATURES, with_report=True, max_new_tokens=10, **case
+    )
+    assert steps["n"] > 0 and report.fast_path("beam"), str(report)
+    assert len({tuple(row) for row in reference.sequences.tolist()}) > 1, "degenerate model"
