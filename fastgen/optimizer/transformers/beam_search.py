@@ -21,9 +21,10 @@ What changes against HF 5.23's loop, and why the outputs stay token-identical:
   (``return_dict_in_generate=False``, or a dict without ``output_scores`` and without a cache, i.e.
   ``use_cache=False``: upstream's per-step scores, which also bring ``sequences_scores``, and its
   returned cache hold the frozen inputs' later steps, which nobody computes once they left) and
-  upstream's plain ``DynamicCache`` / ``EncoderDecoderCache`` or a cache with the :data:`INPUT_SELECT`
-  method (fastgen's dedup caches have it: their shared cross-attention / prompt rows follow the
-  inputs and stay shared); otherwise every input stays, as upstream.
+  upstream's plain ``DynamicCache`` / ``EncoderDecoderCache`` (dynamic or sliding-window layers) or
+  a cache with the :data:`INPUT_SELECT` method (fastgen's dedup caches have it: their shared
+  cross-attention / prompt rows follow the inputs and stay shared); otherwise every input stays,
+  as upstream.
 
 Anything else goes to the original ``_beam_search`` for the whole call, with one warning naming
 the argument: sampled beam search, ``synced_gpus``, ``low_memory``, ``output_logits`` /
