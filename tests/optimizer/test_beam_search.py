@@ -478,6 +478,16 @@ def test_the_step_runs_a_fixed_number_of_ops_and_no_sync(models, monkeypatch, fa
 
 #: architectures outside fastgen's tiny families (no dedup for them): the loop, on by default, serves
 #: them too, so it must equal upstream there as well: ALiBi (Bloom), a state cache (Mamba), FSMT, LED
+_SEQ2SEQ_SIZES = dict(
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    decoder_start_token_id=harness.EOS,
+)
 _OTHER_ARCHITECTURES = {
     "opt": (
         "OPTConfig",
@@ -492,14 +502,7 @@ _OTHER_ARCHITECTURES = {
         dict(
             src_vocab_size=harness.VOCAB,
             tgt_vocab_size=harness.VOCAB,
-            d_model=32,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            decoder_start_token_id=harness.EOS,
+            **_SEQ2SEQ_SIZES,
             langs=["en", "de"],
         ),
     ),
@@ -507,17 +510,10 @@ _OTHER_ARCHITECTURES = {
         "LEDConfig",
         "LEDForConditionalGeneration",
         dict(
-            d_model=32,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
+            **_SEQ2SEQ_SIZES,
             max_encoder_position_embeddings=64,
             max_decoder_position_embeddings=64,
             attention_window=8,
-            decoder_start_token_id=harness.EOS,
         ),
     ),
 }
