@@ -209,9 +209,9 @@ def _note_ngram_bans(processors: Any) -> None:
     owner = ngram_patches.FEATURE if feature_enabled(ngram_patches.FEATURE) else FEATURE
     for processor in processors or ():
         if type(processor) is NoRepeatNGramLogitsProcessor:
-            report.note_ran(owner, "no_repeat_ngram_size on fastgen's n-gram op")
+            report.note_ran(owner, ngram_patches.RAN_NO_REPEAT)
         elif type(processor) is EncoderNoRepeatNGramLogitsProcessor:
-            report.note_ran(owner, "encoder_no_repeat_ngram_size on fastgen's n-gram op")
+            report.note_ran(owner, ngram_patches.RAN_ENCODER_NO_REPEAT)
 
 
 def _is_plain_dynamic(cache: Any) -> bool:

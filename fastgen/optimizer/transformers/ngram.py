@@ -43,6 +43,9 @@ from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback
 
 FEATURE = "ngram"
+#: what the report says ran (fastgen's beam loop, which bans through the op itself, says the same)
+RAN_NO_REPEAT = "no_repeat_ngram_size on fastgen's n-gram op"
+RAN_ENCODER_NO_REPEAT = "encoder_no_repeat_ngram_size on fastgen's n-gram op"
 _SNAPSHOT = "_fastgen_encoder_ngrams"
 
 
@@ -81,7 +84,7 @@ def make_no_repeat_call(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, input_ids, scores)
         if input_ids.shape[-1] < n:
             return scores  # upstream: no complete n-gram yet, the input itself
-        report.note_ran(FEATURE, "no_repeat_ngram_size on fastgen's n-gram op")
+        report.note_ran(FEATURE, RAN_NO_REPEAT)
         return ban_repeated_ngrams(input_ids, scores.clone(), n)
 
     return __call__
@@ -146,7 +149,7 @@ def make_encoder_call(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, input_ids, scores)
         assert snapshot is not None  # _encoder_problem checked it
         prompt = snapshot.ids.to(scores.device)
-        report.note_ran(FEATURE, "encoder_no_repeat_ngram_size on fastgen's n-gram op")
+        report.note_ran(FEATURE, RAN_ENCODER_NO_REPEAT)
         return ban_encoder_ngrams(prompt, input_ids, scores.clone(), snapshot.ngram_size)
 
     return __call__
