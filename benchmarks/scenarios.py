@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from benchmarks.measure import kv_cache_bytes
+from fastgen.optimizer.transformers.contract import CACHE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +37,8 @@ def decoding_cache(model: torch.nn.Module, call: Callable[[], Any]) -> tuple[Any
     seen: list[Any] = []
 
     def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        if kwargs.get("past_key_values") is not None:
-            seen[:] = [kwargs["past_key_values"]]
+        if kwargs.get(CACHE) is not None:
+            seen[:] = [kwargs[CACHE]]
 
     handle = model.register_forward_pre_hook(record, with_kwargs=True)
     try:
@@ -201,7 +202,7 @@ class WhisperScenario(Scenario):
         last: dict[str, Any] = {}
 
         def keep_cache(module: Any, args: Any, output: Any) -> None:
-            last["cache"] = output.past_key_values
+            last["cache"] = getattr(output, CACHE)
 
         model.register_forward_hook(keep_cache)
 

@@ -36,6 +36,7 @@ import fastgen
 from benchmarks import spec_pair
 from benchmarks.measure import environment
 from fastgen.optimizer.transformers import speculative
+from fastgen.optimizer.transformers.contract import CACHE
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -204,11 +205,11 @@ def verification_cost(target, draft, batches=(1, 8, 16), new=(1, 2, 4, 8), past=
                 cache = DynamicCache(config=model.config)
                 model(
                     input_ids=torch.randint(4, spec_pair.VOCAB, (batch, past), generator=generator),
-                    past_key_values=cache,
+                    **{CACHE: cache},
                 )
                 step = torch.randint(4, spec_pair.VOCAB, (batch, m), generator=generator)
                 start = time.perf_counter()
-                model(input_ids=step, past_key_values=cache)
+                model(input_ids=step, **{CACHE: cache})
                 times.append(time.perf_counter() - start)
         return 1e3 * statistics.median(times)
 

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import fastgen  # before anything imports transformers' generation module
+from fastgen.optimizer.transformers.contract import CACHE
 
 _counts: collections.Counter[str] = collections.Counter()
 _mismatches: list[str] = []
@@ -75,7 +76,7 @@ def differences(reference: Any, candidate: Any) -> list[str]:
         steps = [step for step, (x, y) in enumerate(zip(a, b, strict=True)) if not _close(x, y, 1e-4)]
         if steps:
             found.append(f"per-step scores at steps {steps}")
-    if (getattr(reference, "past_key_values", None) is None) != (getattr(candidate, "past_key_values", None) is None):
+    if (getattr(reference, CACHE, None) is None) != (getattr(candidate, CACHE, None) is None):
         found.append("past_key_values returned on one side only")
     return found
 

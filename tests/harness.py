@@ -19,6 +19,7 @@ import torch
 import transformers
 
 import fastgen
+from fastgen.optimizer.transformers.contract import CACHE
 
 VOCAB = 96
 PAD, BOS, EOS = 1, 0, 2
@@ -379,7 +380,7 @@ def recorded_caches(model: torch.nn.Module) -> Iterator[list[Any]]:
     seen: list[Any] = []
 
     def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get(CACHE)
         if cache is not None and all(cache is not other for other in seen):
             seen.append(cache)
 

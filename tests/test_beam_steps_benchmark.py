@@ -10,6 +10,7 @@ import torch
 import fastgen
 from benchmarks import beam_steps, report
 from benchmarks.beam_loop import VARIANTS
+from fastgen.optimizer.transformers.contract import CACHE
 from tests import harness
 from tests.harness import tiny_hf_model, tiny_inputs
 
@@ -83,7 +84,7 @@ def test_removal_is_timed_as_cache_work():
     inputs = tiny_inputs(model, batch=2)
     with beam_steps.instrumented(model), torch.inference_mode():
         out = model.generate(**inputs, num_beams=2, max_new_tokens=3, return_dict_in_generate=True)
-        cache = out.past_key_values
+        cache = getattr(out, CACHE)
         recorder = beam_steps.Recorder()
         recorder.time(lambda: cache.batch_select_indices(torch.tensor([0, 1])))
     assert beam_steps.call_counts(recorder)["cache_removal"] == 1

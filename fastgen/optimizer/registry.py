@@ -58,6 +58,11 @@ class Patch:
     ``torch.compile``: its replacement is installed as is, without the dispatcher, because Dynamo
     cannot trace the dispatcher's ``ContextVar`` read (one graph break per call). Such a
     replacement must be traceable and honour :func:`unpatched` itself, outside traces.
+
+    ``requires`` is ``"module.path:function"``, a check run before applying: it returns why the
+    installed package's structure rules the patch out (e.g. a renamed name the replacement needs),
+    or None. The patch is then skipped with that reason, so ``status()`` never says ``applied`` for
+    a patch that cannot run. The registry knows nothing of the frameworks; the check does.
     """
 
     feature: str
@@ -67,6 +72,7 @@ class Patch:
     versions: str
     expects: tuple[str, ...] | None = None
     traced: bool = False
+    requires: str | None = None
 
     @property
     def module(self) -> str:
@@ -222,6 +228,21 @@ def _factory_module(patch: Patch) -> str:
     return patch.factory.partition(":")[0]
 
 
+def _helper_modules(patch: Patch) -> tuple[str, ...]:
+    """The fastgen modules a patch loads when applied: its factory's and its check's."""
+    modules = (_factory_module(patch),)
+    return (*modules, patch.requires.partition(":")[0]) if patch.requires else modules
+
+
+def _requirement_problem(patch: Patch) -> str | None:
+    if patch.requires is None:
+        return None
+    try:
+        return _load_factory(patch.requires)()
+    except Exception as exc:  # a broken check must never break the user's program
+        return f"requirement check failed ({type(exc).__name__}: {exc})"
+
+
 def _initializing(module_name: str) -> bool:
     """Whether ``module_name`` is being imported right now (in ``sys.modules``, not yet executed)."""
     module = sys.modules.get(module_name)
@@ -257,10 +278,17 @@ def _apply(patch: Patch, executed: str | None = None) -> None:
         _state.status[patch] = f"skipped: {problem}"
         _warn_once(patch.feature, f"{patch.target}: {problem}")
         return
-    if _factory_module(patch) != executed and _initializing(_factory_module(patch)):
-        # The factory's own module imports the target (e.g. a loop module importing the module whose
-        # method it replaces) and is only half executed: apply once it has finished (_PatchOnImport).
-        _state.status[patch] = f"pending: applied when {_factory_module(patch)} has been imported"
+    busy = [module for module in _helper_modules(patch) if module != executed and _initializing(module)]
+    if busy:
+        # The factory's (or check's) own module imports the target (e.g. a loop module importing the
+        # module whose method it replaces) and is only half executed: apply once it has finished
+        # (_PatchOnImport).
+        _state.status[patch] = f"pending: applied when {busy[0]} has been imported"
+        return
+    problem = _requirement_problem(patch)
+    if problem:
+        _state.status[patch] = f"skipped: {problem}"
+        _warn_once(patch.feature, problem)
         return
     try:
         replacement = _load_factory(patch.factory)(func)
@@ -288,7 +316,7 @@ def _ready(patch: Patch, imported: str) -> bool:
     """Whether ``patch`` can be applied now that module ``imported`` has been executed."""
     if patch.module == imported:
         return True
-    return _factory_module(patch) == imported and patch.module in sys.modules and not _initializing(patch.module)
+    return imported in _helper_modules(patch) and patch.module in sys.modules and not _initializing(patch.module)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -296,7 +324,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     factory's module imported the target while being imported itself, right after the factory's)."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if _state.enabled_features is None or not any(fullname in (p.module, _factory_module(p)) for p in _pending()):
+        if _state.enabled_features is None or not any(fullname in (p.module, *_helper_modules(p)) for p in _pending()):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):

@@ -26,6 +26,7 @@ from fastgen.models.decoder_only import (
     SharedPrefixLayer,
     prefix_attention,
 )
+from fastgen.optimizer.transformers.contract import CACHE
 from tests import harness
 
 pytestmark = harness.requires_feature("dedup")
@@ -52,7 +53,7 @@ def test_same_generation(model: transformers.PreTrainedModel, case: str) -> None
         _, patched, report = harness.assert_same_generation(
             model, inputs, features=["dedup"], max_new_tokens=NEW_TOKENS, with_report=True, **CASES[case]
         )
-    assert type(patched.past_key_values) is DynamicCache  # what leaves generate: upstream's class and layout
+    assert type(getattr(patched, CACHE)) is DynamicCache  # what leaves generate: upstream's class and layout
     cache = caches[-1]
     if case == "greedy":  # nothing repeated: upstream's cache, untouched
         assert type(cache) is DynamicCache and not report.ran, str(report)
@@ -163,7 +164,7 @@ def test_prompt_is_prefilled_once_per_input_and_never_copied(monkeypatch: pytest
         forward_rows.append(tuple(kwargs["input_ids"].shape))
 
     def after(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        layers = output.past_key_values.layers
+        layers = getattr(output, CACHE).layers
         prefixes.append(
             [(la.prefix_keys.data_ptr(), la.prefix_values.data_ptr(), la.prefix_keys.shape[0]) for la in layers]
         )
@@ -217,9 +218,9 @@ def test_prompt_cache_bytes_are_one_over_beams(family: str) -> None:
     beams, prompt_len = 4, inputs["input_ids"].shape[1]
     kwargs = dict(num_beams=beams, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
     with fastgen.unpatched():
-        upstream = model.generate(**inputs, **kwargs).past_key_values
+        upstream = getattr(model.generate(**inputs, **kwargs), CACHE)
     with fastgen.patched(["dedup"]), harness.recorded_caches(model) as caches, fastgen.report() as report:
-        returned = model.generate(**inputs, **kwargs).past_key_values
+        returned = getattr(model.generate(**inputs, **kwargs), CACHE)
     shared = caches[-1]
     total = prompt_len + NEW_TOKENS - 1  # the last token's K/V is never computed
 
@@ -246,9 +247,9 @@ def test_returned_cache_continues_correctly_without_fastgen(leave: str) -> None:
     inputs = harness.tiny_inputs(model, batch=2)
     kwargs = dict(num_beams=3, max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True)
     with fastgen.unpatched():
-        upstream = model.generate(**inputs, **kwargs).past_key_values
+        upstream = getattr(model.generate(**inputs, **kwargs), CACHE)
     with fastgen.patched(["dedup"]), fastgen.report() as report:
-        returned = model.generate(**inputs, **kwargs).past_key_values
+        returned = getattr(model.generate(**inputs, **kwargs), CACHE)
     assert report.fast_path("dedup") and type(returned) is DynamicCache
     assert all(type(layer) is DynamicLayer for layer in returned.layers)
     rows, cached, prompt_len = upstream.layers[0].keys.shape[0], upstream.get_seq_length(), inputs["input_ids"].shape[1]
@@ -261,8 +262,8 @@ def test_returned_cache_continues_correctly_without_fastgen(leave: str) -> None:
     step = dict(input_ids=torch.full((rows, 1), 7), attention_mask=mask)
     context = fastgen.unpatched() if leave == "unpatched" else harness.fastgen_disabled()
     with context, torch.no_grad():
-        expected = model(**step, past_key_values=upstream).logits
-        logits = model(**step, past_key_values=returned).logits
+        expected = model(**step, **{CACHE: upstream}).logits
+        logits = model(**step, **{CACHE: returned}).logits
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -293,12 +294,12 @@ def test_user_cache_and_inputs_embeds_fall_back_to_upstream() -> None:
     inputs = harness.tiny_inputs(model, batch=2)
     kwargs = dict(num_beams=3, max_new_tokens=4, return_dict_in_generate=True, output_scores=True)
     with fastgen.unpatched():
-        reference = model.generate(**inputs, past_key_values=DynamicCache(), **kwargs)
+        reference = model.generate(**inputs, **{CACHE: DynamicCache()}, **kwargs)
     user_cache = DynamicCache()
     with fastgen.patched(["dedup"]):
-        patched = model.generate(**inputs, past_key_values=user_cache, **kwargs)
+        patched = model.generate(**inputs, **{CACHE: user_cache}, **kwargs)
     assert torch.equal(reference.sequences, patched.sequences)
-    assert patched.past_key_values is user_cache and type(user_cache) is DynamicCache
+    assert getattr(patched, CACHE) is user_cache and type(user_cache) is DynamicCache
     embeds = model.get_input_embeddings()(inputs["input_ids"]).detach()
     _, patched = harness.assert_same_generation(
         model,
@@ -307,7 +308,7 @@ def test_user_cache_and_inputs_embeds_fall_back_to_upstream() -> None:
         max_new_tokens=4,
         num_beams=3,
     )
-    assert type(patched.past_key_values) is DynamicCache
+    assert type(getattr(patched, CACHE)) is DynamicCache
 
 
 def test_assisted_generation_is_untouched() -> None:
@@ -316,7 +317,7 @@ def test_assisted_generation_is_untouched() -> None:
     _, patched = harness.assert_same_generation(
         model, inputs, features=["dedup"], max_new_tokens=5, assistant_model=assistant
     )
-    assert type(patched.past_key_values) is DynamicCache
+    assert type(getattr(patched, CACHE)) is DynamicCache
 
 
 def _plain_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kw: Any):

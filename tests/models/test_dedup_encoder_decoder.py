@@ -22,6 +22,7 @@ from transformers.modeling_outputs import BaseModelOutput
 import fastgen
 from fastgen.models import encoder_decoder
 from fastgen.models.encoder_decoder import CROSS_ATTENTION_FAMILIES, BeamSharedCrossAttentionCache, cache_nbytes
+from fastgen.optimizer.transformers.contract import CACHE
 from tests import harness
 
 pytestmark = harness.requires_feature("dedup")
@@ -61,7 +62,7 @@ def test_same_generation(model: transformers.PreTrainedModel, case: str) -> None
     assert report.fast_path("dedup") == shared, str(report)
     assert isinstance(caches[-1], BeamSharedCrossAttentionCache) == shared
     # What leaves generate is upstream's class and layout, whatever ran inside.
-    assert type(patched.past_key_values) is EncoderDecoderCache
+    assert type(getattr(patched, CACHE)) is EncoderDecoderCache
 
 
 @pytest.mark.parametrize("family", ["bart", "t5"])
@@ -117,7 +118,7 @@ def test_cross_attention_cache_is_shared_and_never_copied(monkeypatch: pytest.Mo
     steps: list[tuple[list[tuple[int, int]], list[int]]] = []
 
     def record(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        cache = output.past_key_values
+        cache = getattr(output, CACHE)
         cross = [(layer.keys.data_ptr(), layer.keys.shape[0]) for layer in cache.cross_attention_cache.layers]
         steps.append((cross, [layer.keys.shape[0] for layer in cache.self_attention_cache.layers]))
 
@@ -163,9 +164,9 @@ def test_cross_attention_cache_bytes_are_one_over_beams() -> None:
     inputs = harness.tiny_inputs(model, batch=BATCH)
     beams = 4
     with fastgen.unpatched():
-        upstream = _generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS).past_key_values
+        upstream = getattr(_generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS), CACHE)
     with fastgen.patched(["dedup"]), fastgen.report() as report:
-        returned = _generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS).past_key_values
+        returned = getattr(_generate(model, inputs, num_beams=beams, min_new_tokens=NEW_TOKENS), CACHE)
     assert type(upstream) is EncoderDecoderCache
     upstream_self, upstream_cross = cache_nbytes(upstream)
     # Inside the call the cross K/V held 1/beams of upstream's bytes; the returned cache has upstream's size.
@@ -186,7 +187,7 @@ def test_unsupported_cache_falls_back_to_upstream(kwargs: dict[str, Any]) -> Non
     _, patched = harness.assert_same_generation(
         model, inputs, features=["dedup"], max_new_tokens=5, num_beams=3, **kwargs
     )
-    assert not isinstance(patched.past_key_values, BeamSharedCrossAttentionCache)
+    assert not isinstance(getattr(patched, CACHE), BeamSharedCrossAttentionCache)
 
 
 def test_precomputed_encoder_outputs() -> None:
@@ -212,8 +213,8 @@ def test_decoder_only_models_get_no_cross_attention_cache() -> None:
     model = harness.tiny_hf_model("gpt2")
     inputs = harness.tiny_inputs(model, batch=2)
     _, patched = harness.assert_same_generation(model, inputs, features=["dedup"], max_new_tokens=5, num_beams=3)
-    assert isinstance(patched.past_key_values, DynamicCache)
-    assert not isinstance(patched.past_key_values, BeamSharedCrossAttentionCache)
+    assert isinstance(getattr(patched, CACHE), DynamicCache)
+    assert not isinstance(getattr(patched, CACHE), BeamSharedCrossAttentionCache)
 
 
 def test_patches_are_declared_and_applied() -> None:

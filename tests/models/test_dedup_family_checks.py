@@ -19,6 +19,7 @@ import fastgen
 from fastgen.models import decoder_only
 from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
 from fastgen.ops.attention import prefix_shared_attention
+from fastgen.optimizer.transformers.contract import CACHE
 from tests import harness
 
 pytestmark = harness.requires_feature("dedup")
@@ -71,7 +72,7 @@ def test_sliding_window_layers_are_shared_while_the_sequence_fits(family: str) -
     )
     assert report.fast_path("dedup"), str(report)
     # Returned in upstream's own cache object: its sliding-window layers, filled by their own update.
-    assert {type(layer) for layer in patched.past_key_values.layers} == _upstream_layer_types(model)
+    assert {type(layer) for layer in getattr(patched, CACHE).layers} == _upstream_layer_types(model)
 
 
 def test_qwen3_and_gemma_alternate_full_and_sliding_layers() -> None:
@@ -181,9 +182,9 @@ def test_returned_sliding_window_cache_continues_past_the_window() -> None:
     inputs = harness.tiny_inputs(model, batch=2)
     kwargs = dict(num_beams=3, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
     with fastgen.unpatched():
-        upstream = model.generate(**inputs, **kwargs).past_key_values
+        upstream = getattr(model.generate(**inputs, **kwargs), CACHE)
     with fastgen.patched(["dedup"]), fastgen.report() as report:
-        shared = model.generate(**inputs, **kwargs).past_key_values
+        shared = getattr(model.generate(**inputs, **kwargs), CACHE)
     assert report.fast_path("dedup"), str(report)
     assert {type(layer) for layer in upstream.layers} == {type(layer) for layer in shared.layers}
     assert {type(layer) for layer in upstream.layers} == {DynamicSlidingWindowLayer}
@@ -194,7 +195,7 @@ def test_returned_sliding_window_cache_continues_past_the_window() -> None:
         mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], dim=-1)
         feed = dict(input_ids=torch.full((rows, 1), 7 + step), attention_mask=mask)
         with fastgen.unpatched(), torch.no_grad():
-            expected = model(**feed, past_key_values=upstream).logits
-            logits = model(**feed, past_key_values=shared).logits
+            expected = model(**feed, **{CACHE: upstream}).logits
+            logits = model(**feed, **{CACHE: shared}).logits
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     assert shared.get_seq_length() == upstream.get_seq_length() == PROMPT + NEW_TOKENS + 3

@@ -19,6 +19,7 @@ from transformers.cache_utils import EncoderDecoderCache
 
 import fastgen
 from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
+from fastgen.optimizer.transformers.contract import CACHE
 from tests import harness
 
 pytestmark = harness.requires_feature("dedup")
@@ -37,7 +38,7 @@ def _generate_recording(model: transformers.PreTrainedModel, inputs: dict, seed:
     calls: list[tuple[int, int, int, type]] = []
 
     def record(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        cache = output.past_key_values
+        cache = getattr(output, CACHE)
         cross = cache.cross_attention_cache.layers[0].keys.shape[0]
         calls.append((kwargs["input_ids"].shape[0], kwargs["encoder_hidden_states"].shape[0], cross, type(cache)))
 
@@ -98,7 +99,7 @@ def test_dict_outputs_take_the_shared_path() -> None:
     assert torch.equal(reference.sequences, candidate.sequences)
     for ref, new in zip(reference.scores, candidate.scores, strict=True):
         torch.testing.assert_close(new, ref, atol=1e-5, rtol=1e-5)
-    assert type(candidate.past_key_values) is type(reference.past_key_values)
+    assert type(getattr(candidate, CACHE)) is type(getattr(reference, CACHE))
 
 
 @pytest.mark.parametrize(
@@ -124,7 +125,7 @@ def test_timestamps_run_upstream(kwargs: dict, reason: str, monkeypatch: pytest.
     assert torch.equal(reference.sequences, candidate.sequences)
     for ref, new in zip(reference.scores, candidate.scores, strict=True):
         torch.testing.assert_close(new, ref, atol=0, rtol=0)
-    assert type(candidate.past_key_values) is EncoderDecoderCache
+    assert type(getattr(candidate, CACHE)) is EncoderDecoderCache
 
 
 def test_long_form_audio_runs_upstream(monkeypatch: pytest.MonkeyPatch) -> None:

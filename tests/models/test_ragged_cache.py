@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from fastgen.models.ragged_cache import RaggedCache
+from fastgen.optimizer.transformers.contract import CACHE
 from fastgen.optimizer.transformers.speculative import MODEL_FAMILIES
 from tests.harness import tiny_hf_model, tiny_inputs
 
@@ -20,7 +21,7 @@ def _ragged_run(model, inputs, steps, seed=0):
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = RaggedCache(DynamicCache(config=model.config), mask.sum(-1))
-    model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache.cache)
+    model(input_ids=ids, attention_mask=mask, position_ids=positions, **{CACHE: cache.cache})
     kept = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
     for m in steps:
         new = torch.randint(3, model.config.vocab_size, (ids.shape[0], m), generator=g)
@@ -28,7 +29,7 @@ def _ragged_run(model, inputs, steps, seed=0):
             input_ids=new,
             attention_mask=cache.attention_mask(m),
             position_ids=cache.position_ids(m),
-            past_key_values=cache.cache,
+            **{CACHE: cache.cache},
         )
         keep = torch.randint(0, m + 1, (ids.shape[0],), generator=g)
         cache.commit(keep, m)
@@ -51,7 +52,7 @@ def test_valid_entries_equal_each_rows_own_cache(family: str) -> None:
             n = len(tokens)
             assert mask[b].tolist() == [0] * (width - n) + [1] * n
             alone = DynamicCache(config=model.config)
-            model(input_ids=torch.tensor([tokens]), past_key_values=alone)
+            model(input_ids=torch.tensor([tokens]), **{CACHE: alone})
             for layer, single in zip(cache.cache.layers, alone.layers, strict=True):
                 torch.testing.assert_close(layer.keys[b, :, width - n :], single.keys[0], atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(layer.values[b, :, width - n :], single.values[0], atol=1e-5, rtol=1e-5)
@@ -72,7 +73,7 @@ def test_no_row_reads_its_padding(family: str) -> None:
                 input_ids=step,
                 attention_mask=clone.attention_mask(3),
                 position_ids=clone.position_ids(3),
-                past_key_values=clone.cache,
+                **{CACHE: clone.cache},
             ).logits
 
         clean = next_logits(cache)

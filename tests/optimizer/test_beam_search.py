@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 import fastgen
 from fastgen.optimizer import registry
 from fastgen.optimizer.transformers import beam_search
+from fastgen.optimizer.transformers.contract import CACHE
 from tests import harness
 
 pytestmark = harness.requires_feature("beam")
@@ -191,12 +192,12 @@ def test_removal_needs_an_input_group_select_on_other_caches():
         pass
 
     plain = EncoderDecoderCache(DynamicCache(), DynamicCache())
-    assert beam_search._removal_problem({"past_key_values": plain, "attention_mask": torch.ones(2, 3)}) is None
+    assert beam_search._removal_problem({CACHE: plain, "attention_mask": torch.ones(2, 3)}) is None
     shared = BeamSharedCrossAttentionCache.from_cache(plain)
-    assert beam_search._removal_problem({"past_key_values": shared}) is None
+    assert beam_search._removal_problem({CACHE: shared}) is None
     prefix = SharedPrefixCache(2, hypotheses=6, group_size=3, attention_ready=lambda: True)
-    assert beam_search._removal_problem({"past_key_values": prefix}) is None
-    assert "OtherCache has no input-group select" in beam_search._removal_problem({"past_key_values": OtherCache()})
+    assert beam_search._removal_problem({CACHE: prefix}) is None
+    assert "OtherCache has no input-group select" in beam_search._removal_problem({CACHE: OtherCache()})
     assert "model kwarg 'pixel_values'" in beam_search._removal_problem({"pixel_values": torch.ones(1)})
 
 
@@ -329,7 +330,7 @@ def test_dict_output_without_scores_or_cache_lets_inputs_leave(models, steps, dr
     reference, candidate = harness.assert_same_generation(model, inputs, features=FEATURES, **kwargs)
     assert steps["n"] > 0 and dropped["n"] > 0
     assert torch.equal(reference.beam_indices, candidate.beam_indices)
-    assert candidate.past_key_values is None and candidate.sequences_scores is None
+    assert getattr(candidate, CACHE) is None and candidate.sequences_scores is None
 
 
 @pytest.mark.parametrize("family", ["bart", "llama"])
@@ -343,7 +344,7 @@ def test_dict_outputs_that_show_frozen_inputs_keep_every_input(models, steps, dr
     assert steps["n"] > 0 and dropped["n"] == 0
     assert torch.equal(reference.beam_indices, candidate.beam_indices)
     if outputs["output_scores"] is False:  # the returned cache: upstream's class and layout, same K/V
-        ref_cache, cand_cache = reference.past_key_values, candidate.past_key_values
+        ref_cache, cand_cache = getattr(reference, CACHE), getattr(candidate, CACHE)
         assert type(ref_cache) is type(cand_cache)
         ref_layers = getattr(ref_cache, "self_attention_cache", ref_cache).layers
         cand_layers = getattr(cand_cache, "self_attention_cache", cand_cache).layers

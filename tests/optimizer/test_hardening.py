@@ -19,6 +19,7 @@ from transformers.generation.configuration_utils import CompileConfig
 import fastgen
 from fastgen.models.decoder_only import SharedPrefixCache
 from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
+from fastgen.optimizer.transformers.contract import CACHE
 from tests import harness
 
 pytestmark = harness.requires_feature("dedup")
@@ -169,7 +170,7 @@ def test_returned_encoder_decoder_cache_continues_in_upstream_code(family: str, 
     with fastgen.patched(["dedup"]), fastgen.report() as report:
         returned = model.generate(**inputs, **kwargs)
     assert report.fast_path("dedup") and torch.equal(returned.sequences, upstream.sequences)
-    cache, reference = returned.past_key_values, upstream.past_key_values
+    cache, reference = getattr(returned, CACHE), getattr(upstream, CACHE)
     assert type(cache) is EncoderDecoderCache
     assert type(cache.self_attention_cache) is type(cache.cross_attention_cache) is DynamicCache
     for mine, theirs in zip(cache.cross_attention_cache.layers, reference.cross_attention_cache.layers, strict=True):
@@ -184,8 +185,8 @@ def test_returned_encoder_decoder_cache_continues_in_upstream_code(family: str, 
     )
     context = fastgen.unpatched() if leave == "unpatched" else harness.fastgen_disabled()
     with context, torch.no_grad():
-        expected = model(**step, past_key_values=reference).logits
-        logits = model(**step, past_key_values=cache).logits
+        expected = model(**step, **{CACHE: reference}).logits
+        logits = model(**step, **{CACHE: cache}).logits
     # Self-attention K/V differ from upstream's by SDPA rounding (grouped rows); T5's logits reach ~100.
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 

@@ -77,6 +77,7 @@ from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
 from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback, feature_enabled
 from fastgen.optimizer.transformers import ngram as ngram_patches
+from fastgen.optimizer.transformers.contract import CACHE
 
 FEATURE = "beam"
 _PROCESSORS = (
@@ -557,7 +558,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
             decoder_attentions=None,
             cross_attentions=None,
             decoder_hidden_states=None,
-            past_key_values=cache,
+            **{CACHE: cache},
         )
     return GenerateBeamDecoderOnlyOutput(
         sequences=sequences,
@@ -567,5 +568,5 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         beam_indices=beam_indices,
         attentions=None,
         hidden_states=None,
-        past_key_values=cache,
+        **{CACHE: cache},
     )

@@ -51,6 +51,7 @@ from fastgen.models.encoder_decoder import (
 from fastgen.models.family_checks import cross_attention_call_problem, prime_cross_attention_cache
 from fastgen.optimizer import registry, report
 from fastgen.optimizer.registry import fallback
+from fastgen.optimizer.transformers.contract import CACHE
 from fastgen.optimizer.transformers.prompt_dedup import note_attention_fallback, prepare_decoder_only_cache
 from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem, model_problem
 
@@ -157,10 +158,10 @@ def make_prepare_cache(original: Callable[..., Any]) -> Callable[..., Any]:
             expand_shared_inputs(model_kwargs, group)
             return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE)
         if is_plain_dynamic_encoder_decoder_cache(cache):
             shared = BeamSharedCrossAttentionCache.from_cache(cache)
-            model_kwargs["past_key_values"] = shared
+            model_kwargs[CACHE] = shared
             report.note_ran(FEATURE, f"cross-attention K/V shared by {group} hypotheses per input")
             report.note_cache(shared.bytes_saved)
             prime_cross_attention_cache(self, shared, model_kwargs)

@@ -8,6 +8,10 @@ from fastgen.optimizer.registry import Patch
 #: >= vocab instead of skipping them, so the replacements would not match those versions exactly.
 HF_VERSIONS = ">=5.18,<6"
 
+#: Patches that touch the cache need its name for the installed release (5.24 renamed it): the
+#: contract module resolves it and says why not on a release whose structure it does not know.
+CONTRACT = "fastgen.optimizer.transformers.contract:problem"
+
 PATCHES: list[Patch] = []
 
 _DEDUP = "fastgen.optimizer.transformers.dedup"
@@ -20,6 +24,7 @@ PATCHES += [
         factory=f"{_DEDUP}:make_expand_inputs",
         package="transformers",
         versions=HF_VERSIONS,
+        requires=CONTRACT,
         expects=("self", "expand_size", "is_encoder_decoder", "input_ids"),
     ),
     # Confirm (beam-shared cross-attention cache) or undo (upstream expansion) per decoding mode;
@@ -30,6 +35,7 @@ PATCHES += [
         factory=f"{_DEDUP}:make_prepare_cache",
         package="transformers",
         versions=HF_VERSIONS,
+        requires=CONTRACT,
         expects=("generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length"),
     ),
     # Decoder-only: prefill the prompt once per input into the shared-prompt cache, repeat the outputs.
@@ -39,6 +45,7 @@ PATCHES += [
         factory="fastgen.optimizer.transformers.prompt_dedup:make_prefill",
         package="transformers",
         versions=HF_VERSIONS,
+        requires=CONTRACT,
         expects=("input_ids", "generation_config", "model_kwargs", "is_first_iteration"),
     ),
     # Run beam queries grouped against the shared cross-attention K/V with the stock sdpa/eager kernels;
@@ -50,6 +57,7 @@ PATCHES += [
         factory=f"{_DEDUP}:make_get_interface",
         package="transformers",
         versions=HF_VERSIONS,
+        requires=CONTRACT,
         expects=("attn_implementation", "default"),
         traced=True,
     ),
@@ -60,6 +68,7 @@ PATCHES += [
         factory="fastgen.optimizer.transformers.returned_cache:make_generate",
         package="transformers",
         versions=HF_VERSIONS,
+        requires=CONTRACT,
         expects=("self", "inputs", "generation_config"),
     ),
 ]
@@ -110,6 +119,7 @@ PATCHES += [
         factory="fastgen.optimizer.transformers.beam_search:make_beam_search",
         package="transformers",
         versions=HF_VERSIONS,
+        requires=CONTRACT,
         expects=("self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus"),
     ),
 ]
@@ -125,6 +135,7 @@ PATCHES += [
         factory="fastgen.optimizer.transformers.speculative:make_assisted_decoding",
         package="transformers",
         versions=HF_VERSIONS,
+        requires=CONTRACT,
         expects=("self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "assistant_model"),
     ),
 ]

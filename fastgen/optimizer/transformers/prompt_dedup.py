@@ -36,6 +36,7 @@ import torch
 from fastgen.models.decoder_only import SharedPrefixCache, shared_prompt_problem
 from fastgen.models.family_checks import shared_prompt_call_problem
 from fastgen.optimizer import registry, report
+from fastgen.optimizer.transformers.contract import CACHE
 from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem, model_problem
 
 #: Inputs that ``_expand_inputs_for_generation`` repeats per hypothesis and the prefill slices back.
@@ -94,13 +95,13 @@ def prepare_decoder_only_cache(
     problem = _shared_prompt_call_problem(model, generation_config, model_kwargs, generation_mode)
     result = original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
     if problem is None:
-        upstream_cache = model_kwargs.get("past_key_values")
+        upstream_cache = model_kwargs.get(CACHE)
         cache = SharedPrefixCache.from_cache(upstream_cache, batch_size * group, group, attention_ready)
         if cache is None:
             problem = f"the cache ({type(upstream_cache).__name__}) is not a plain empty DynamicCache"
         else:
             cache.upstream_cache = upstream_cache  # put back if the prefill cannot share the prompt
-            model_kwargs["past_key_values"] = cache
+            model_kwargs[CACHE] = cache
     if problem is not None:
         registry.fallback(FEATURE, problem)
     return result
@@ -158,13 +159,13 @@ def make_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
         model_kwargs: dict[str, Any],
         is_first_iteration: bool = True,
     ) -> Any:
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE)
         if not isinstance(cache, SharedPrefixCache) or cache.get_seq_length() > 0:
             return original(self, input_ids, generation_config, model_kwargs, is_first_iteration)
         problem = _prefill_problem(cache, input_ids, generation_config, model_kwargs, is_first_iteration)
         if problem is not None:
             # A fallback is whole: upstream's own (still empty) cache, upstream's prefill.
-            model_kwargs["past_key_values"] = cache.upstream_cache
+            model_kwargs[CACHE] = cache.upstream_cache
             registry.fallback(FEATURE, problem)
             return original(self, input_ids, generation_config, model_kwargs, is_first_iteration)
         report.note_ran(FEATURE, f"prompt K/V shared by {cache.hypotheses_per_input} hypotheses per input")
@@ -177,7 +178,7 @@ def make_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
         outputs = original(self, input_ids[::group], generation_config, shared_kwargs, is_first_iteration)
         batch = input_ids.shape[0] // group
         for key in list(outputs.keys()):
-            if key != "past_key_values":
+            if key != CACHE:
                 outputs[key] = _repeat_rows(outputs[key], group, batch)
         return outputs
 

@@ -16,16 +16,17 @@ from typing import Any
 from fastgen.models.decoder_only import SharedPrefixCache
 from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
 from fastgen.optimizer import report
+from fastgen.optimizer.transformers.contract import CACHE
 
 #: Caches that may be returned, each with ``to_upstream()`` giving upstream's class and layout.
 DEDUP_CACHES = (BeamSharedCrossAttentionCache, SharedPrefixCache)
 
 
 def to_upstream_layout(outputs: Any) -> Any:
-    """Replace a deduplicated ``past_key_values`` in ``generate``'s outputs by upstream's layout."""
-    cache = getattr(outputs, "past_key_values", None) if hasattr(outputs, "keys") else None
+    """Replace a deduplicated cache in ``generate``'s outputs by upstream's layout."""
+    cache = outputs.get(CACHE) if hasattr(outputs, "keys") else None
     if isinstance(cache, DEDUP_CACHES):
-        outputs["past_key_values"] = cache.to_upstream()
+        outputs[CACHE] = cache.to_upstream()
     return outputs
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from transformers.generation.configuration_utils import GenerationMode
 
+from fastgen.optimizer.transformers.contract import CACHE
+
 FEATURE = "dedup"
 
 #: Decoding modes whose loops only feed the model and reorder the cache (no per-row surgery).
@@ -61,7 +63,7 @@ def cache_problem(generation_config: Any, model_kwargs: dict[str, Any], generati
     """Why this call must keep upstream's per-hypothesis cache, or None. Ask before the cache is built."""
     if generation_mode not in SHARED_MODES:
         return f"generation mode {generation_mode}"
-    if model_kwargs.get("past_key_values") is not None:
+    if model_kwargs.get(CACHE) is not None:
         return "a user-provided cache"
     if generation_config.use_cache is False:
         return "use_cache=False"

@@ -35,10 +35,11 @@ from fastgen.ops.speculation import (
     speculative_sampling_accept,
 )
 from fastgen.optimizer.registry import fallback
+from fastgen.optimizer.transformers.contract import CACHE
 from fastgen.optimizer.transformers.draft_length import SCHEDULES, DraftLength
 
 FEATURE = "speculative"
-#: Model classes whose forward takes (input_ids, attention_mask, position_ids, past_key_values) and
+#: Model classes whose forward takes (input_ids, attention_mask, position_ids, cache) and
 #: whose default cache is a plain DynamicCache; tests prove each equal to regular decoding.
 MODEL_FAMILIES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 MODEL_CLASSES = tuple(MODEL_FAMILIES.values())
@@ -56,7 +57,7 @@ PROCESSORS = (
     "SuppressTokensLogitsProcessor",
 )
 STOPPING = ("MaxLengthCriteria", "EosTokenCriteria")
-MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"}
+MODEL_KWARGS = {"attention_mask", "position_ids", CACHE, "use_cache", "logits_to_keep"}
 OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 #: Settings that change what is drafted or how it is judged. (``assistant_lookbehind`` /
 #: ``target_lookbehind`` only matter with two tokenizers, which falls back anyway;
@@ -151,7 +152,7 @@ def call_problem(model, generation_config, logits_processor, stopping_criteria, 
         return f"model inputs {extra}"
     if not kwargs.get("use_cache", True):
         return "use_cache=False"
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get(CACHE)
     if cache is not None and (type(cache).__name__ != "DynamicCache" or cache.get_seq_length() > 0):
         return f"a user-supplied cache ({type(cache).__name__})"
     for processor in logits_processor:
@@ -198,7 +199,7 @@ def _forward(model, cache: RaggedCache, tokens: torch.Tensor) -> torch.Tensor:
         input_ids=tokens,
         attention_mask=cache.attention_mask(m),
         position_ids=cache.position_ids(m),
-        past_key_values=cache.cache,
+        **{CACHE: cache.cache},
         use_cache=True,
     )
     return out.logits
@@ -269,7 +270,7 @@ def speculative_generate(
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=position_ids,
-        past_key_values=main.cache,
+        **{CACHE: main.cache},
         use_cache=True,
         logits_to_keep=1,
     ).logits
@@ -285,7 +286,7 @@ def speculative_generate(
                 input_ids=input_ids[:, :-1],
                 attention_mask=mask[:, :-1],
                 position_ids=position_ids[:, :-1],
-                past_key_values=draft.cache,
+                **{CACHE: draft.cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
