@@ -7,6 +7,7 @@
 
 import os
 
+import fastgen.optimizer.catalog  # noqa: F401  (declares the frameworks' patches to the registry)
 from fastgen.optimizer.registry import (
     active,
     disable,

@@ -107,12 +107,21 @@ class _State:
 _state = _State()
 
 
-def declared_patches() -> list[Patch]:
-    """All patches fastgen knows, from the per-framework declaration modules."""
-    from fastgen.optimizer.fairseq.patches import PATCHES as fairseq_patches
-    from fastgen.optimizer.transformers.patches import PATCHES as hf_patches
+_declared: list[Patch] = []
 
-    return [*hf_patches, *fairseq_patches]
+
+def declare(patches: Iterable[Patch]) -> None:
+    """Add patches to the table (:mod:`fastgen.optimizer.catalog` declares the frameworks' at import).
+
+    The registry knows no framework: declarations come from outside, so nothing here imports them.
+    """
+    with _lock:
+        _declared.extend(p for p in patches if p not in _declared)
+
+
+def declared_patches() -> list[Patch]:
+    """All patches declared so far, in declaration order."""
+    return list(_declared)
 
 
 #: features applied only when named (``enable([...])`` / ``FASTGEN_FEATURES``), never by default:

@@ -43,3 +43,16 @@ def negate(original):
 
 def broken(original):
     raise RuntimeError("factory exploded")
+
+
+def structure_unknown():
+    """A ``Patch.requires`` check that finds the target's structure unknown."""
+    return "fakepkg 9.9 is newer than fastgen knows; pin fakepkg==1.0 or upgrade fastgen"
+
+
+def structure_known():
+    return None
+
+
+def broken_check():
+    raise RuntimeError("boom")

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -258,3 +259,26 @@ def _python_stderr(code: str) -> str:
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     ).stderr.strip()
+
+
+def test_a_failed_requirement_check_skips_the_patch_with_its_reason(fake_registry, caplog):
+    fake_registry[:] = [
+        Patch("fake", f"{T}:greet", f"{F}:shout", "torch", ">=2", requires=f"{F}:structure_unknown"),
+        Patch("fake", f"{T}:Processor.expand", f"{F}:triple", "torch", ">=2", requires=f"{F}:broken_check"),
+        Patch("fake", f"{T}:Processor.__call__", f"{F}:plus_hundred", "torch", ">=2", requires=f"{F}:structure_known"),
+    ]
+    with caplog.at_level(logging.WARNING, logger="fastgen"):
+        fastgen.enable()
+    states = {row.target.partition(":")[2]: row.state for row in fastgen.status()}
+    assert states["greet"] == "skipped: fakepkg 9.9 is newer than fastgen knows; pin fakepkg==1.0 or upgrade fastgen"
+    assert states["Processor.expand"] == "skipped: requirement check failed (RuntimeError: boom)"
+    assert states["Processor.__call__"] == "applied"
+    assert ft.greet("a") == "hello a" and ft.Processor.expand(7) == [7, 7] and ft.Processor()(1) == 102
+    assert any("pin fakepkg==1.0" in record.getMessage() for record in caplog.records)
+
+
+def test_the_registry_imports_no_framework_table():
+    """Declarations come from fastgen.optimizer.catalog; registry.py imports nothing above it."""
+    source = pathlib.Path(registry.__file__).read_text()
+    assert "optimizer.transformers" not in source and "optimizer.fairseq" not in source
+    assert {p.package for p in registry.declared_patches()} >= {"transformers", "fairseq"}
