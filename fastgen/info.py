@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import platform
+import textwrap
 
 import torch
 
@@ -26,6 +27,7 @@ def report() -> str:
         f"fastgen {fastgen.__version__}  python {platform.python_version()}  torch {torch.__version__}",
         f"transformers {installed_version('transformers')}  fairseq {installed_version('fairseq')}  "
         f"triton {installed_version('triton')}",
+        *_transformers_contract_lines(),
         f"CUDA device: {torch.cuda.get_device_name() if device == 'cuda' else 'none'}",
         f"compiled extension: {_extension_state()}",
         f"op backends on {device}:",
@@ -42,6 +44,19 @@ def _import_transformers_targets() -> None:
     for module in {p.module for p in declared_patches() if p.package == "transformers"}:
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
+
+
+def _transformers_contract_lines() -> list[str]:
+    """Whether the installed Transformers has the structure fastgen's fast paths were tested on."""
+    if installed_version("transformers") is None:
+        return []
+    from fastgen.optimizer.transformers import contract
+
+    problem = contract.problem()
+    state = "ok" if problem is None else problem
+    return textwrap.wrap(
+        f"transformers fast paths (tested up to {contract.NEWEST_TESTED}): {state}", 80, subsequent_indent="  "
+    )
 
 
 def _extension_state() -> str:

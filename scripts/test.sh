@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up .venv (scripts/setup.sh) and runs what CI runs: ruff, the nvcc compile check, the CPU
-# test suite on the newest transformers, then the Transformers tests on the oldest supported one.
+# Sets up .venv (scripts/setup.sh) and runs what CI runs: ruff, the nvcc compile check, and a version
+# matrix: the whole CPU suite on the newest transformers (a fresh .venv resolves the newest release), the
+# fast-path tests on the previous minor release, the skip check on the oldest supported one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,6 +10,9 @@ bash scripts/setup.sh
 bash scripts/check_nvcc.sh
 # Triton kernels run under the interpreter on CPU (tests/conftest.py); slow tests stay out of CI.
 .venv/bin/python -m pytest -q -m "not slow" "$@"
+# Previous minor release: every fast path must still run there (-m fast_path asserts it through report()).
+VENV=.venv-previous TRANSFORMERS="transformers==${FASTGEN_PREVIOUS_TRANSFORMERS:-5.23.0}" bash scripts/setup.sh
+.venv-previous/bin/python -m pytest -q -m "fast_path and not slow" -p no:cacheprovider "$@"
 # Oldest supported transformers: patches outside their tested range must skip and leave upstream intact.
 VENV=.venv-oldest TRANSFORMERS="transformers==5.15.1" bash scripts/setup.sh
 .venv-oldest/bin/python -m pytest -q -m "not slow" -p no:cacheprovider tests/test_harness.py tests/models tests/optimizer "$@"

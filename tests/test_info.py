@@ -9,6 +9,7 @@ import torch
 def test_info_reports_every_section():
     out = subprocess.run([sys.executable, "-m", "fastgen.info"], capture_output=True, text=True, check=True).stdout
     assert f"torch {torch.__version__}" in out
+    assert "transformers fast paths (tested up to" in out and ": ok" in out
     assert "compiled extension:" in out and "ngram: " in out and "torch: ok" in out
     # Transformers' targets are imported first, so their patches are resolved, not pending.
     lines = out.splitlines()

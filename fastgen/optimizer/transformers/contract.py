@@ -92,6 +92,14 @@ def _resolved() -> tuple[str | None, str | None]:
     )
 
 
+def unknown_structure(what: str) -> str:
+    """A fallback reason for a structure fastgen does not know, naming the versions and what to do."""
+    return (
+        f"{what}: transformers {_installed_version()} is not what fastgen knows (tested up to "
+        f"{NEWEST_TESTED}): pin transformers=={NEWEST_TESTED} or upgrade fastgen"
+    )
+
+
 def problem() -> str | None:
     """Why the installed Transformers' structure rules fastgen's cache-touching patches out, or None."""
     return _resolved()[1]

@@ -51,7 +51,7 @@ from fastgen.models.encoder_decoder import (
 from fastgen.models.family_checks import cross_attention_call_problem, prime_cross_attention_cache
 from fastgen.optimizer import registry, report
 from fastgen.optimizer.registry import fallback
-from fastgen.optimizer.transformers.contract import CACHE
+from fastgen.optimizer.transformers.contract import CACHE, unknown_structure
 from fastgen.optimizer.transformers.prompt_dedup import note_attention_fallback, prepare_decoder_only_cache
 from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem, model_problem
 
@@ -167,7 +167,8 @@ def make_prepare_cache(original: Callable[..., Any]) -> Callable[..., Any]:
             prime_cross_attention_cache(self, shared, model_kwargs)
         else:
             # Not a cache we know how to wrap; it is still empty, so upstream shapes are safe.
-            fallback(FEATURE, f"cache type {type(cache).__name__}")
+            what = f"cache type {type(cache).__name__}"
+            fallback(FEATURE, what if cache is not None else unknown_structure(f"no cache in model_kwargs[{CACHE!r}]"))
             expand_shared_inputs(model_kwargs, group)
         return result
 

@@ -36,7 +36,7 @@ import torch
 from fastgen.models.decoder_only import SharedPrefixCache, shared_prompt_problem
 from fastgen.models.family_checks import shared_prompt_call_problem
 from fastgen.optimizer import registry, report
-from fastgen.optimizer.transformers.contract import CACHE
+from fastgen.optimizer.transformers.contract import CACHE, unknown_structure
 from fastgen.optimizer.transformers.shared_modes import FEATURE, cache_problem, model_problem
 
 #: Inputs that ``_expand_inputs_for_generation`` repeats per hypothesis and the prefill slices back.
@@ -99,6 +99,8 @@ def prepare_decoder_only_cache(
         cache = SharedPrefixCache.from_cache(upstream_cache, batch_size * group, group, attention_ready)
         if cache is None:
             problem = f"the cache ({type(upstream_cache).__name__}) is not a plain empty DynamicCache"
+            if upstream_cache is None:
+                problem = unknown_structure(f"no cache in model_kwargs[{CACHE!r}]")
         else:
             cache.upstream_cache = upstream_cache  # put back if the prefill cannot share the prompt
             model_kwargs[CACHE] = cache
