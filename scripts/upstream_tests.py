@@ -261,6 +261,27 @@ def __getattr__(name):
 '''
 
 
+def shim_removed_tester_defaults(git_dir: str, ref: str, tree: Path) -> None:
+    """The tagged ``tests/causal_lm_tester.py`` imports ``_TEXT_MODEL_TESTER_DEFAULTS`` from
+    ``transformers.testing_utils``, which 5.24 removed: fall back to the tagged release's own dict."""
+    tester = tree / "tests/causal_lm_tester.py"
+    name = "_TEXT_MODEL_TESTER_DEFAULTS"
+    if not tester.exists() or f"    {name},\n" not in tester.read_text():
+        return
+    source = run(["git", "-C", git_dir, "show", f"{ref}:src/transformers/testing_utils.py"], stdout=subprocess.PIPE)
+    text = source.stdout.decode()
+    start = text.index(f"{name} = {{")
+    literal = text[start : text.index("\n}\n", start) + 2]
+    shim = (
+        f"\ntry:\n    from transformers.testing_utils import {name}\n"
+        f"except ImportError:  # removed in transformers 5.24 (shim by fastgen's scripts/upstream_tests.py)\n"
+        + "".join(f"    {line}\n" for line in literal.splitlines())
+    )
+    code = tester.read_text().replace(f"    {name},\n", "", 1)
+    anchor = "from .test_configuration_common import ConfigTester\n"
+    tester.write_text(code.replace(anchor, shim + "\n" + anchor, 1))
+
+
 def assemble_transformers(args: argparse.Namespace) -> Path:
     version = importlib.metadata.version("transformers")
     tree = args.cache_dir / f"transformers-{args.ref}+sdist-{version}"
@@ -270,6 +291,7 @@ def assemble_transformers(args: argparse.Namespace) -> Path:
         git_dir = git_dir_for(args.transformers_git, args.ref, args.cache_dir, "transformers")
         git_extract(git_dir, args.ref, ["tests", "conftest.py", "pyproject.toml", "utils"], tree)
         overlay_sdist_tests(version, args.cache_dir, tree)
+        shim_removed_tester_defaults(git_dir, args.ref, tree)
         stub = tree / "tests/distributed_testing_utils.py"
         if not stub.exists():
             stub.write_text(DISTRIBUTED_STUB)
