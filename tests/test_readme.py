@@ -25,3 +25,11 @@ def test_ci_runs_the_readme_test_command():
     assert f"```bash\n   {command}\n   ```" in README
     ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
     assert command in ci.splitlines()
+
+
+def test_the_release_canary_is_documented_and_runs_the_fast_path_tests():
+    root = Path(__file__).parent.parent
+    assert "```bash\nbash scripts/canary.sh\n```" in README
+    assert '-m "fast_path and not slow"' in (root / "scripts" / "canary.sh").read_text()
+    matrix = (root / "scripts" / "test.sh").read_text()
+    assert '-m "fast_path and not slow"' in matrix and "transformers==5.15.1" in matrix
