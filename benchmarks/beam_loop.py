@@ -2,6 +2,11 @@
 
     python -m benchmarks.beam_loop --scenario bart-base [--rounds 4] [--out FILE.json]
     python -m benchmarks.beam_loop --scenario bart-base-varlen [--rounds 3]
+    python -m benchmarks.beam_loop --scenario bart-base --no-dedup [--no-repeat 0]   # the loop alone
+
+``--no-dedup`` compares upstream with the loop where ``dedup`` is unavailable (as when a release
+switched it off): ``beam`` alone and ``beam`` + ``ngram``. ``--no-repeat N`` overrides the scenario's
+``no_repeat_ngram_size`` (0: none).
 
 The three variants run in a rotating order each round after a warm-up. Wall time and this thread's
 CPU time are both recorded: on a shared, loaded machine the wall clock mostly measures waiting for
@@ -15,6 +20,7 @@ inputs leave the batch under ``beam``; it also counts the decoder rows each vari
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -41,6 +47,9 @@ VARIANTS: dict[str, list[str] | None] = {
     "default+beam": sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES | {"beam"}),
 }
 
+#: the loop without dedup: never slower than upstream (issue 16, item 6)
+NO_DEDUP_VARIANTS: dict[str, list[str] | None] = {"upstream": None, "beam": ["beam"], "beam+ngram": ["beam", "ngram"]}
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -48,12 +57,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scenario", default="bart-base", choices=choices)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-dedup", action="store_true", help="variants without dedup: beam, beam+ngram")
+    parser.add_argument("--no-repeat", type=int, default=None, help="override no_repeat_ngram_size (0: none)")
     args = parser.parse_args(argv)
+    variants = NO_DEDUP_VARIANTS if args.no_dedup else VARIANTS
     torch.set_num_threads(1)
     selection, count_rows = None, None
     if args.scenario == VARLEN:
         settings = dict(VARLEN_SETTINGS)
-        generate = dict(SCENARIOS["bart-base"].generate)
+        generate = _generate_settings(SCENARIOS["bart-base"].generate, args.no_repeat)
         model, inputs, kwargs, selection = varlen.prepare(**settings, generate=generate)
         settings["generate"] = generate
 
@@ -76,18 +88,19 @@ def main(argv: list[str] | None = None) -> None:
             return rows[0]
     else:
         scenario = SCENARIOS[args.scenario]
+        scenario = dataclasses.replace(scenario, generate=_generate_settings(scenario.generate, args.no_repeat))
         settings = scenario.settings("cpu") | {"generate": scenario.generate}
         call = scenario.prepare("cpu", torch.float32, settings)
 
     def run(variant: str):
-        features = VARIANTS[variant]
+        features = variants[variant]
         scope = fastgen.unpatched() if features is None else fastgen.patched(features)
         with scope, torch.inference_mode():
             start, start_cpu = time.perf_counter(), time.thread_time()
             out = call()
             return out, time.perf_counter() - start, time.thread_time() - start_cpu
 
-    names = list(VARIANTS)
+    names = list(variants)
     outputs = {name: run(name)[0] for name in names}  # warm-up
     wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -104,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "scenario": args.scenario,
         "settings": settings,
-        "variants": VARIANTS,
+        "variants": variants,
         "environment": environment("cpu"),
         "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
         "identical_outputs": all(torch.equal(outputs["upstream"].sequences, outputs[n].sequences) for n in names),
@@ -125,7 +138,10 @@ def main(argv: list[str] | None = None) -> None:
             "decoder_rows_skipped_vs_upstream": {n: 1 - rows[n] / rows["upstream"] for n in names[1:]},
         }
         sys.stdout.write(f"natural lengths {lengths}; decoder rows {rows}\n")
-    out = args.out or Path(__file__).resolve().parent / "results" / f"beam_loop-{args.scenario}-cpu.json"
+    suffix = ("-nodedup" if args.no_dedup else "") + (
+        f"-norepeat{args.no_repeat}" if args.no_repeat is not None else ""
+    )
+    out = args.out or Path(__file__).resolve().parent / "results" / f"beam_loop-{args.scenario}{suffix}-cpu.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     for name in names:
         sys.stdout.write(
@@ -135,6 +151,15 @@ def main(argv: list[str] | None = None) -> None:
         f"speedup wall {report['speedup_wall']}, thread CPU {report['speedup_thread_cpu']}; "
         f"identical outputs: {report['identical_outputs']}; load {load_start} -> {report['load_average']['end']}\n"
     )
+
+
+def _generate_settings(generate: dict, no_repeat: int | None) -> dict:
+    settings = dict(generate)
+    if no_repeat is not None:
+        settings.pop("no_repeat_ngram_size", None)
+        if no_repeat:
+            settings["no_repeat_ngram_size"] = no_repeat
+    return settings
 
 
 if __name__ == "__main__":
