@@ -32,6 +32,7 @@ from fastgen.cli import distributed
 from fastgen.cli.common import add_pipeline_args, allow_full_checkpoint_loading, default_workers, fail, setup_logging
 from fastgen.cli.fairseq_post import format_batch, offload_batch, replay_scores, set_state, warm_worker
 from fastgen.cli.journal import Journal, ResumeError, merge_parts
+from fastgen.cli.journal import exists as journal_exists
 from fastgen.cli.pipeline import AsyncPipeline, PipelineError, Progress, make_executor
 
 logger = logging.getLogger("fastgen.cli.generate")
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace, argv: list[str], executor: Any = None) -> int:
     output = _output_path(cfg)
     if (args.resume or world.size > 1) and output is None:
         raise SystemExit("fastgen-generate: --resume and torchrun runs need --results-path (an output file)")
-    if world.size > 1 and args.resume and output.exists() and not any(p.exists() for p in world.parts(output)):
+    if world.size > 1 and args.resume and output.exists() and not any(journal_exists(p) for p in world.parts(output)):
         if world.is_main:
             logger.info("%s is complete; nothing to resume", output)
         return 0

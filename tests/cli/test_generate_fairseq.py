@@ -125,7 +125,8 @@ def test_resume_after_kill_equals_uninterrupted_run(setup, tmp_path, capsys, mon
     )
     assert killed.returncode == 9, killed.stderr.decode()[-2000:]
     output = results / "generate-test.txt"
-    partial = output.read_text()
+    assert not output.exists(), "a killed run must not create (or touch) the output"
+    partial = Path(f"{output}.partial").read_text()
     assert "Generate test" not in partial
     fastgen_generate([*argv, "--resume"], capsys, monkeypatch)
     expected = upstream(setup, "sampling")

@@ -155,7 +155,8 @@ def test_resume_after_kill_equals_uninterrupted_run(models, tmp_path, capsys):
         capture_output=True,
     )
     assert killed.returncode == 9, killed.stderr.decode()[-2000:]
-    assert len(resumed.read_bytes()) < len(full.read_bytes())
+    assert not resumed.exists(), "a killed run must not create (or touch) the output"
+    assert len(Path(f"{resumed}.partial").read_bytes()) < len(full.read_bytes())
     assert cli([*args, "--output", str(resumed), "--resume"], capsys)[0] == 0
     assert resumed.read_text() == full.read_text(), f"kill_at={kill_at} torn={torn}"
 
