@@ -65,7 +65,7 @@ def add_pipeline_args(group: argparse._ActionsContainer) -> None:
     )
     group.add_argument(
         "--postprocess-workers",
-        type=int,
+        type=non_negative_int,
         default=None,
         metavar="N",
         help="post-processing worker processes (default on CUDA: CPUs - 1, at most 4; on CPU: 0, i.e. "

@@ -29,7 +29,15 @@ from typing import Any
 
 import fastgen  # noqa: F401 - patches fairseq when it is imported below
 from fastgen.cli import distributed
-from fastgen.cli.common import add_pipeline_args, allow_full_checkpoint_loading, default_workers, fail, setup_logging
+from fastgen.cli.common import (
+    UsageError,
+    add_pipeline_args,
+    allow_full_checkpoint_loading,
+    check_output_file,
+    default_workers,
+    fail,
+    setup_logging,
+)
 from fastgen.cli.fairseq_post import format_batch, offload_batch, replay_scores, set_state, warm_worker
 from fastgen.cli.journal import Journal, ResumeError, merge_parts
 from fastgen.cli.journal import exists as journal_exists
@@ -74,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return run(args, list(argv) if argv is not None else sys.argv[1:], executor)
+    except UsageError as exc:
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+        return fail(str(exc), code=2)
     except (ResumeError, PipelineError) as exc:
         return fail(str(exc))
     except BaseException as exc:
@@ -88,12 +100,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check(cfg: Any) -> None:
+    """fairseq_cli.generate's own checks, and fastgen's of the paths, before anything loads or is written."""
     if cfg.common_eval.path is None:
-        raise SystemExit("fastgen-generate: --path required for generation")
+        raise UsageError("--path required for generation")
     if cfg.generation.sampling and cfg.generation.nbest != cfg.generation.beam:
-        raise SystemExit("fastgen-generate: --sampling requires --nbest to be equal to --beam")
+        raise UsageError("--sampling requires --nbest to be equal to --beam")
     if cfg.generation.replace_unk is not None and cfg.dataset.dataset_impl != "raw":
-        raise SystemExit("fastgen-generate: --replace-unk requires a raw text dataset (--dataset-impl=raw)")
+        raise UsageError("--replace-unk requires a raw text dataset (--dataset-impl=raw)")
+    plain = "://" not in cfg.common_eval.path and not cfg.checkpoint.checkpoint_suffix
+    for path in cfg.common_eval.path.split(os.pathsep) if plain and cfg.checkpoint.checkpoint_shard_count == 1 else []:
+        if not Path(path).is_file():
+            raise UsageError(f"--path {path}: {'not a regular file' if Path(path).exists() else 'no such file'}")
+    output = _output_path(cfg)
+    if output is not None:
+        check_output_file(output, "--results-path")
 
 
 def run(args: argparse.Namespace, argv: list[str], executor: Any = None) -> int:
@@ -114,7 +134,7 @@ def run(args: argparse.Namespace, argv: list[str], executor: Any = None) -> int:
         torch.cuda.set_device(world.local_rank)
     output = _output_path(cfg)
     if (args.resume or world.size > 1) and output is None:
-        raise SystemExit("fastgen-generate: --resume and torchrun runs need --results-path (an output file)")
+        raise UsageError("--resume and torchrun runs need --results-path (an output file)")
     if world.size > 1 and args.resume and output.exists() and not any(journal_exists(p) for p in world.parts(output)):
         if world.is_main:
             logger.info("%s is complete; nothing to resume", output)
@@ -274,7 +294,7 @@ def run(args: argparse.Namespace, argv: list[str], executor: Any = None) -> int:
         return 0
     distributed.barrier(world)
     if output is not None:
-        score_items = _scores_in_order(world.parts(output) if world.size > 1 else [output])
+        score_items = _scores_in_order(world.parts(output) if world.size > 1 else [journal.work])
     has_target = replay_scores(scorer, tgt_dict, score_items, reencode)
     trailer = ""
     if has_target:
