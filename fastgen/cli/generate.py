@@ -27,7 +27,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
-import fastgen  # noqa: F401 - patches fairseq when it is imported below
+import fastgen
 from fastgen.cli import distributed
 from fastgen.cli.common import (
     UsageError,
@@ -42,6 +42,7 @@ from fastgen.cli.fairseq_post import format_batch, offload_batch, replay_scores,
 from fastgen.cli.journal import Journal, ResumeError, merge_parts
 from fastgen.cli.journal import exists as journal_exists
 from fastgen.cli.pipeline import AsyncPipeline, PipelineError, Progress, make_executor
+from fastgen.optimizer.registry import feature_enabled
 
 logger = logging.getLogger("fastgen.cli.generate")
 
@@ -58,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-invalid",
         action="store_true",
         help="skip inputs longer than the model accepts (fairseq's --skip-invalid-size-inputs-valid-test)",
+    )
+    group.add_argument(
+        "--exact-scores",
+        action="store_true",
+        help="H-/D-/P- scores byte-identical to fairseq-generate's: turn off fastgen's beam-shared "
+        "cross-attention (dedup), whose grouped query-key product rounds differently in the last digits "
+        "(tokens are identical either way; see the README)",
     )
     return parser
 
@@ -80,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     early.add_argument("--cpu", action="store_true")
     executor = _start_workers(early.parse_known_args(argv)[0])
     args = parse_args(argv)
+    if args.exact_scores:
+        without_dedup()
     try:
         return run(args, list(argv) if argv is not None else sys.argv[1:], executor)
     except UsageError as exc:
@@ -97,6 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "unset TORCH_FORCE_WEIGHTS_ONLY_LOAD to let fastgen-generate load them (trusted files only)"
             )
         raise
+
+
+def without_dedup() -> None:
+    """Keep every enabled fastgen feature but ``dedup`` (for ``--exact-scores``)."""
+    if fastgen.is_enabled():
+        fastgen.enable([f for f in fastgen.known_features() if feature_enabled(f) and f != "dedup"])
 
 
 def _check(cfg: Any) -> None:

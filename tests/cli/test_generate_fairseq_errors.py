@@ -80,3 +80,20 @@ def test_fastgen_checks_are_one_line_with_status_2(setup, tmp_path, capsys, monk
     assert "Traceback" not in err
     assert len([line for line in err.splitlines() if "error" in line]) == 1, err
     assert files(tmp_path) == before
+
+
+def test_exact_scores_turns_off_dedup_only(setup, capsys, monkeypatch):
+    """--exact-scores: fastgen-generate without beam-shared cross-attention, whose H-/D-/P- digits can differ
+    from fairseq-generate's (benchmarks/fairseq_score_digits.py); the other features keep running."""
+    import fastgen
+    from fastgen.optimizer.registry import feature_enabled
+
+    argv = [*fairseq_setup.base_args(setup), "--beam", "4", "--postprocess-workers", "0"]
+    with fastgen.patched(), fastgen.report() as plain:
+        assert run(argv, capsys, monkeypatch)[0] == 0
+    with fastgen.patched(), fastgen.report() as exact:
+        assert run([*argv, "--exact-scores"], capsys, monkeypatch)[0] == 0
+        assert not feature_enabled("dedup") and feature_enabled("beam")
+    assert plain.fast_path("dedup")
+    assert "dedup" not in exact.ran
+    assert exact.fast_path("beam")
