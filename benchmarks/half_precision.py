@@ -3,8 +3,9 @@
 fastgen promises identical tokens in fp32 only: in half precision a different (equally valid)
 summation order flips near-ties. The yardstick is upstream against itself under changes it treats as
 harmless: the same rows generated one at a time instead of batched, and eager attention instead of
-sdpa (sdpa instead of eager where eager is the default; skipped where the model has no sdpa). For each family and dtype this prints and saves, per comparison, the share of rows whose
-generated tokens are identical and the mean share of each row's tokens before its first difference.
+sdpa (sdpa instead of eager where eager is the default; skipped where the model has no sdpa). For
+each family and dtype this prints and saves, per comparison, the share of rows whose generated
+tokens are identical and the mean share of each row's tokens before its first difference.
 
     python -m benchmarks.half_precision [--families bart,llama] [--dtypes bfloat16,float16,float32]
 
