@@ -119,6 +119,8 @@ def _check(cfg: Any) -> None:
     """fairseq_cli.generate's own checks, and fastgen's of the paths, before anything loads or is written."""
     if cfg.common_eval.path is None:
         raise UsageError("--path required for generation")
+    if cfg.generation.beam < 1:
+        raise UsageError(f"--beam must be a positive integer, got {cfg.generation.beam}")
     if cfg.generation.sampling and cfg.generation.nbest != cfg.generation.beam:
         raise UsageError("--sampling requires --nbest to be equal to --beam")
     if cfg.generation.replace_unk is not None and cfg.dataset.dataset_impl != "raw":
