@@ -84,10 +84,17 @@ class Journal:
         self._out: Any = None
         self._idx: Any = None
         self.offset = 0
-        if resume and not self.work.exists() and self.output.exists():
+        copied = resume and not self.work.exists() and self.output.exists()
+        if copied:
             self._copy_finished()
         if resume and self.work.exists():
-            self._reopen(header)
+            try:
+                self._reopen(header)
+            except ResumeError:
+                if copied:  # leave no copy of a finished output behind
+                    self.work.unlink()
+                    self.index.unlink()
+                raise
 
     def _copy_finished(self) -> None:
         """Resume from a copy of a finished output, so the output itself stays as it is until the end."""
