@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: generate() arguments that upstream does not check before dividing or looping by them (num_beams=0
+#: ends in a ZeroDivisionError there).
+POSITIVE_GENERATE_ARGS = ("num_beams", "num_beam_groups", "max_new_tokens", "max_length")
+
+
 def generate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for name in ("num_beams", "max_new_tokens", "no_repeat_ngram_size"):
@@ -104,6 +109,10 @@ def generate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kwargs[key] = json.loads(value)
         except json.JSONDecodeError:
             kwargs[key] = value
+    for name in POSITIVE_GENERATE_ARGS:
+        value = kwargs.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"--gen {name}={value!r}: must be a positive integer")
     if kwargs.get("num_return_sequences", 1) != 1:
         raise UsageError("num_return_sequences must be 1 (one output line per input line)")
     return kwargs
@@ -193,6 +202,12 @@ def run(args: argparse.Namespace) -> int:
 
     global _TOKENIZER
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as exc:
+        raise UsageError(f"--device {device}: not a device ({exc})") from exc
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available here")
     world = distributed.from_environment(device)
     if world.size > 1 and device.startswith("cuda") and args.device is None:
         device = f"cuda:{world.local_rank}"

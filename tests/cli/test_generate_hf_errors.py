@@ -57,13 +57,23 @@ def test_bad_generate_argument_leaves_the_existing_output_alone(setup, tmp_path,
 
 def test_interrupted_run_keeps_the_old_output_and_resumes(setup, tmp_path, capsys, monkeypatch):
     out, full = tmp_path / "out.txt", tmp_path / "full.txt"
-    args = [str(setup["bart"]), "--input", str(setup["inputs"]), "--batch-size", "2", "--sort-window", "4"]
+    args = [
+        str(setup["bart"]),
+        "--input",
+        str(setup["inputs"]),
+        "--batch-size",
+        "2",
+        "--sort-window",
+        "4",
+        "--no-pipeline",
+    ]
     assert run([*args, "--output", str(full)], capsys)[0] == 0
     out.write_text(PRECIOUS)
     calls = 0
     original = generate_hf._generate
 
     def interrupted(*args, **kwargs):  # Ctrl-C during the third batch, after the first window was written
+        # (--no-pipeline: each window is committed before the next batch starts)
         nonlocal calls
         calls += 1
         if calls == 3:
@@ -104,6 +114,14 @@ def _bad_paths(setup: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
             "--batch-size: must be a positive",
         ),
         "bad --gen": ([model, "--input", inputs, "--output", out, "--gen", "beams"], "--gen takes KEY=VALUE"),
+        "zero beams in --gen": (
+            [model, "--input", inputs, "--output", out, "--gen", "num_beams=0"],
+            "must be a positive",
+        ),
+        "unknown device": (
+            [model, "--input", inputs, "--output", out, "--device", "gpu7"],
+            "--device gpu7: not a device",
+        ),
     }
 
 
@@ -120,6 +138,8 @@ def _bad_paths(setup: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
         "zero beams",
         "zero batch",
         "bad --gen",
+        "zero beams in --gen",
+        "unknown device",
     ],
 )
 def test_bad_paths_and_values_are_one_line_with_status_2(setup, tmp_path, capsys, case):
