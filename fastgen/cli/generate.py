@@ -129,6 +129,10 @@ def _check(cfg: Any) -> None:
     for path in cfg.common_eval.path.split(os.pathsep) if plain and cfg.checkpoint.checkpoint_shard_count == 1 else []:
         if not Path(path).is_file():
             raise UsageError(f"--path {path}: {'not a regular file' if Path(path).exists() else 'no such file'}")
+    data = getattr(cfg.task, "data", None)
+    for path in data.split(os.pathsep) if isinstance(data, str) and data and "://" not in data else []:
+        if not Path(path).exists():
+            raise UsageError(f"data directory {path}: no such file or directory")
     output = _output_path(cfg)
     if output is not None:
         check_output_file(output, "--results-path")

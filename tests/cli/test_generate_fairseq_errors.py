@@ -52,6 +52,7 @@ def _cases(setup: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], str]
         "resume without results path": ([data, "--path", ckpt, *common, "--resume"], "need --results-path"),
         "sampling nbest": ([data, "--path", ckpt, *common, *results, "--sampling", "--beam", "2"], "--nbest"),
         "negative workers": ([data, "--path", ckpt, *common, "--postprocess-workers", "-1"], "must be 0 or more"),
+        "missing data": ([str(tmp / "bin"), "--path", ckpt, *common], "bin: no such file or directory"),
         "zero beams": ([data, "--path", ckpt, *common, *results, "--beam", "0"], "--beam must be a positive integer"),
     }
 
@@ -67,6 +68,7 @@ def _cases(setup: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], str]
         "sampling nbest",
         "negative workers",
         "zero beams",
+        "missing data",
     ],
 )
 def test_fastgen_checks_are_one_line_with_status_2(setup, tmp_path, capsys, monkeypatch, case):
