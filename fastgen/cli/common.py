@@ -6,8 +6,55 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
+from typing import NoReturn
 
 logger = logging.getLogger("fastgen.cli")
+
+
+class UsageError(ValueError):
+    """A bad argument or path, found before anything is written: one line, exit status 2."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr (no usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def check_input_file(path: Path, option: str) -> None:
+    if not path.exists():
+        raise UsageError(f"{option} {path}: no such file")
+    if not path.is_file():
+        raise UsageError(f"{option} {path}: not a regular file")
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """The output (written later through ``path.partial``) must be a file in a directory we can create."""
+    if path.is_dir():
+        raise UsageError(f"{option} {path}: is a directory; give a file name")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{option} {path}: {parent} is not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UsageError(f"{option} {path}: cannot write in {parent}")
+            break
 
 
 def add_pipeline_args(group: argparse._ActionsContainer) -> None:
@@ -18,7 +65,7 @@ def add_pipeline_args(group: argparse._ActionsContainer) -> None:
     )
     group.add_argument(
         "--postprocess-workers",
-        type=int,
+        type=non_negative_int,
         default=None,
         metavar="N",
         help="post-processing worker processes (default on CUDA: CPUs - 1, at most 4; on CPU: 0, i.e. "

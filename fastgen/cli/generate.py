@@ -27,12 +27,22 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
-import fastgen  # noqa: F401 - patches fairseq when it is imported below
+import fastgen
 from fastgen.cli import distributed
-from fastgen.cli.common import add_pipeline_args, allow_full_checkpoint_loading, default_workers, fail, setup_logging
+from fastgen.cli.common import (
+    UsageError,
+    add_pipeline_args,
+    allow_full_checkpoint_loading,
+    check_output_file,
+    default_workers,
+    fail,
+    setup_logging,
+)
 from fastgen.cli.fairseq_post import format_batch, offload_batch, replay_scores, set_state, warm_worker
 from fastgen.cli.journal import Journal, ResumeError, merge_parts
+from fastgen.cli.journal import exists as journal_exists
 from fastgen.cli.pipeline import AsyncPipeline, PipelineError, Progress, make_executor
+from fastgen.optimizer.registry import feature_enabled
 
 logger = logging.getLogger("fastgen.cli.generate")
 
@@ -49,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-invalid",
         action="store_true",
         help="skip inputs longer than the model accepts (fairseq's --skip-invalid-size-inputs-valid-test)",
+    )
+    group.add_argument(
+        "--exact-scores",
+        action="store_true",
+        help="H-/D-/P- scores byte-identical to fairseq-generate's: turn off fastgen's beam-shared "
+        "cross-attention (dedup), whose grouped query-key product rounds differently in the last digits "
+        "(tokens are identical either way; see the README)",
     )
     return parser
 
@@ -71,8 +88,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     early.add_argument("--cpu", action="store_true")
     executor = _start_workers(early.parse_known_args(argv)[0])
     args = parse_args(argv)
+    if args.exact_scores:
+        without_dedup()
     try:
         return run(args, list(argv) if argv is not None else sys.argv[1:], executor)
+    except UsageError as exc:
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+        return fail(str(exc), code=2)
     except (ResumeError, PipelineError) as exc:
         return fail(str(exc))
     except BaseException as exc:
@@ -86,13 +109,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
 
 
+def without_dedup() -> None:
+    """Keep every enabled fastgen feature but ``dedup`` (for ``--exact-scores``)."""
+    if fastgen.is_enabled():
+        fastgen.enable([f for f in fastgen.known_features() if feature_enabled(f) and f != "dedup"])
+
+
 def _check(cfg: Any) -> None:
+    """fairseq_cli.generate's own checks, and fastgen's of the paths, before anything loads or is written."""
     if cfg.common_eval.path is None:
-        raise SystemExit("fastgen-generate: --path required for generation")
+        raise UsageError("--path required for generation")
+    if cfg.generation.beam < 1:
+        raise UsageError(f"--beam must be a positive integer, got {cfg.generation.beam}")
     if cfg.generation.sampling and cfg.generation.nbest != cfg.generation.beam:
-        raise SystemExit("fastgen-generate: --sampling requires --nbest to be equal to --beam")
+        raise UsageError("--sampling requires --nbest to be equal to --beam")
     if cfg.generation.replace_unk is not None and cfg.dataset.dataset_impl != "raw":
-        raise SystemExit("fastgen-generate: --replace-unk requires a raw text dataset (--dataset-impl=raw)")
+        raise UsageError("--replace-unk requires a raw text dataset (--dataset-impl=raw)")
+    plain = "://" not in cfg.common_eval.path and not cfg.checkpoint.checkpoint_suffix
+    for path in cfg.common_eval.path.split(os.pathsep) if plain and cfg.checkpoint.checkpoint_shard_count == 1 else []:
+        if not Path(path).is_file():
+            raise UsageError(f"--path {path}: {'not a regular file' if Path(path).exists() else 'no such file'}")
+    data = getattr(cfg.task, "data", None)
+    for path in data.split(os.pathsep) if isinstance(data, str) and data and "://" not in data else []:
+        if not Path(path).exists():
+            raise UsageError(f"data directory {path}: no such file or directory")
+    output = _output_path(cfg)
+    if output is not None:
+        check_output_file(output, "--results-path")
 
 
 def run(args: argparse.Namespace, argv: list[str], executor: Any = None) -> int:
@@ -113,8 +156,8 @@ def run(args: argparse.Namespace, argv: list[str], executor: Any = None) -> int:
         torch.cuda.set_device(world.local_rank)
     output = _output_path(cfg)
     if (args.resume or world.size > 1) and output is None:
-        raise SystemExit("fastgen-generate: --resume and torchrun runs need --results-path (an output file)")
-    if world.size > 1 and args.resume and output.exists() and not any(p.exists() for p in world.parts(output)):
+        raise UsageError("--resume and torchrun runs need --results-path (an output file)")
+    if world.size > 1 and args.resume and output.exists() and not any(journal_exists(p) for p in world.parts(output)):
         if world.is_main:
             logger.info("%s is complete; nothing to resume", output)
         return 0
@@ -273,7 +316,7 @@ def run(args: argparse.Namespace, argv: list[str], executor: Any = None) -> int:
         return 0
     distributed.barrier(world)
     if output is not None:
-        score_items = _scores_in_order(world.parts(output) if world.size > 1 else [output])
+        score_items = _scores_in_order(world.parts(output) if world.size > 1 else [journal.work])
     has_target = replay_scores(scorer, tgt_dict, score_items, reencode)
     trailer = ""
     if has_target:

@@ -24,9 +24,21 @@ from typing import Any
 
 import fastgen  # noqa: F401 - patches transformers
 from fastgen.cli import distributed
-from fastgen.cli.common import add_pipeline_args, default_workers, fail, setup_logging
+from fastgen.cli.common import (
+    OneLineErrorParser,
+    UsageError,
+    add_pipeline_args,
+    check_input_file,
+    check_output_file,
+    default_workers,
+    fail,
+    non_negative_int,
+    positive_int,
+    setup_logging,
+)
 from fastgen.cli.hf_inputs import Batch, InputLine, check_lengths, plan, read_lines
 from fastgen.cli.journal import Journal, ResumeError, merge_parts
+from fastgen.cli.journal import exists as journal_exists
 from fastgen.cli.pipeline import AsyncPipeline, PipelineError, Progress, make_executor
 
 logger = logging.getLogger("fastgen.cli.generate_hf")
@@ -35,14 +47,19 @@ _TOKENIZER: Any = None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastgen-generate-hf", description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(prog="fastgen-generate-hf", description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", type=Path, help="directory written by save_pretrained (model and tokenizer)")
-    parser.add_argument("--input", type=Path, required=True, help="UTF-8 text, one input per line")
+    parser.add_argument(
+        "--input",
+        type=Path,
+        required=True,
+        help="UTF-8 text, one input per line (a byte-order mark at the start is dropped: read as utf-8-sig)",
+    )
     parser.add_argument("--output", type=Path, required=True, help="one output line per input line")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--num-beams", type=int, default=None)
-    parser.add_argument("--max-new-tokens", type=int, default=None)
-    parser.add_argument("--no-repeat-ngram-size", type=int, default=None)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--num-beams", type=positive_int, default=None)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None)
+    parser.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=None)
     parser.add_argument(
         "--gen",
         action="append",
@@ -54,16 +71,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument(
-        "--max-input-tokens", type=int, default=None, help="longest input accepted (default: the model's limit)"
+        "--max-input-tokens",
+        type=positive_int,
+        default=None,
+        help="longest input accepted (default: the model's limit)",
     )
     parser.add_argument("--skip-invalid", action="store_true", help="skip malformed or too long lines (counted)")
     parser.add_argument(
-        "--sort-window", type=int, default=None, help="lines sorted by length together (default: 16 x batch size)"
+        "--sort-window",
+        type=positive_int,
+        default=None,
+        help="lines sorted by length together (default: 16 x batch size)",
     )
-    parser.add_argument("--reference", type=Path, default=None, help="references, one per line: print BLEU/ROUGE")
+    parser.add_argument(
+        "--reference", type=Path, default=None, help="references, one per line (utf-8-sig): print BLEU/ROUGE"
+    )
     parser.add_argument("--no-progress-bar", action="store_true")
     add_pipeline_args(parser)
     return parser
+
+
+#: generate() arguments that upstream does not check before dividing or looping by them (num_beams=0
+#: ends in a ZeroDivisionError there).
+POSITIVE_GENERATE_ARGS = ("num_beams", "num_beam_groups", "max_new_tokens", "max_length")
 
 
 def generate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,13 +104,17 @@ def generate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for item in args.gen:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"fastgen-generate-hf: --gen takes KEY=VALUE, got {item!r}")
+            raise UsageError(f"--gen takes KEY=VALUE, got {item!r}")
         try:
             kwargs[key] = json.loads(value)
         except json.JSONDecodeError:
             kwargs[key] = value
+    for name in POSITIVE_GENERATE_ARGS:
+        value = kwargs.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"--gen {name}={value!r}: must be a positive integer")
     if kwargs.get("num_return_sequences", 1) != 1:
-        raise SystemExit("fastgen-generate-hf: num_return_sequences must be 1 (one output line per input line)")
+        raise UsageError("num_return_sequences must be 1 (one output line per input line)")
     return kwargs
 
 
@@ -138,9 +172,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
     try:
+        check_paths(args)
         return run(args)
+    except UsageError as exc:
+        return fail(str(exc), code=2)
     except (ResumeError, PipelineError, InvalidInput) as exc:
         return fail(str(exc))
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Every path a user typed, checked before the model loads and before anything is written."""
+    if not args.model_dir.is_dir():
+        raise UsageError(f"model directory {args.model_dir}: no such directory")
+    if not (args.model_dir / "config.json").is_file():
+        raise UsageError(f"model directory {args.model_dir}: has no config.json (not written by save_pretrained)")
+    check_input_file(args.input, "--input")
+    if args.reference is not None:
+        check_input_file(args.reference, "--reference")
+    check_output_file(args.output, "--output")
 
 
 class InvalidInput(ValueError):
@@ -153,6 +202,12 @@ def run(args: argparse.Namespace) -> int:
 
     global _TOKENIZER
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as exc:
+        raise UsageError(f"--device {device}: not a device ({exc})") from exc
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available here")
     world = distributed.from_environment(device)
     if world.size > 1 and device.startswith("cuda") and args.device is None:
         device = f"cuda:{world.local_rank}"
@@ -161,12 +216,15 @@ def run(args: argparse.Namespace) -> int:
         world.size > 1
         and args.resume
         and args.output.exists()
-        and not any(p.exists() for p in world.parts(args.output))
+        and not any(journal_exists(p) for p in world.parts(args.output))
     ):
         logger.info("%s is complete; nothing to resume", args.output)
         return 0
     kwargs = generate_kwargs(args)
-    causal = not AutoConfig.from_pretrained(args.model_dir).is_encoder_decoder
+    try:
+        causal = not AutoConfig.from_pretrained(args.model_dir).is_encoder_decoder
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"model directory {args.model_dir}: cannot load its config: {exc}") from exc
     workers = args.postprocess_workers
     if args.no_pipeline:
         workers = 0
@@ -187,8 +245,11 @@ def _run(
     import torch
 
     global _TOKENIZER
-    tokenizer = _TOKENIZER = load_tokenizer(args.model_dir, causal)
-    model = load_model(args.model_dir, device, args.dtype)
+    try:
+        tokenizer = _TOKENIZER = load_tokenizer(args.model_dir, causal)
+        model = load_model(args.model_dir, device, args.dtype)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"model directory {args.model_dir}: cannot load the model or tokenizer: {exc}") from exc
 
     lines = read_lines(args.input)
     valid = [line for line in lines if line.text is not None]
@@ -257,7 +318,7 @@ def _run(
                 if args.seed is not None:
                     torch.manual_seed(args.seed + batch.key)
                 with torch.inference_mode():
-                    out = model.generate(**enc, **kwargs)
+                    out = _generate(model, enc, kwargs)
                 new_tokens = out[:, enc["input_ids"].shape[1] :] if causal else out
             pipeline.submit(batch.key, (batch, new_tokens, pad))
     progress.close()
@@ -279,6 +340,15 @@ def _run(
     if args.reference is not None:
         _score(args.output, args.reference, lines)
     return 0
+
+
+def _generate(model: Any, enc: dict[str, Any], kwargs: dict[str, Any]) -> Any:
+    """``model.generate``, with its rejection of an argument turned into a one-line error. The journal
+    writes nothing before the first window is done, so a bad argument leaves no file behind."""
+    try:
+        return model.generate(**enc, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"model.generate() rejected the generation arguments {kwargs}: {exc}") from exc
 
 
 def _summary(
@@ -305,7 +375,7 @@ def _score(output: Path, reference: Path, lines: list[InputLine]) -> None:
     import sacrebleu
 
     hyps = output.read_text(encoding="utf-8").split("\n")[: len(lines)]
-    refs = reference.read_text(encoding="utf-8").splitlines()
+    refs = reference.read_text(encoding="utf-8-sig").splitlines()
     if len(refs) != len(lines):
         raise InvalidInput(f"{reference} has {len(refs)} lines; the input has {len(lines)}")
     keep = [i for i, line in enumerate(lines) if line.text is not None]

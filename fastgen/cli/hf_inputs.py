@@ -10,6 +10,7 @@ empty batch, so every window is committed.
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,8 +32,9 @@ class Batch:
 
 
 def read_lines(path: Path) -> list[InputLine]:
-    """Every line of ``path`` (``\\n`` or ``\\r\\n`` ends); invalid ones carry a reason."""
-    data = path.read_bytes()
+    """Every line of ``path`` (``\\n`` or ``\\r\\n`` ends; a leading UTF-8 byte-order mark dropped);
+    invalid ones carry a reason."""
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)  # as the utf-8-sig codec reads it
     raw_lines = data.split(b"\n")
     if raw_lines and raw_lines[-1] == b"":
         raw_lines.pop()  # the file's final newline

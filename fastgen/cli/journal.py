@@ -6,17 +6,24 @@ lines). ``commit`` appends the unit's text to the output, fsyncs it, then append
 that. After a kill, the index's last complete record says how many bytes of the output are valid:
 ``--resume`` truncates the output there (dropping a half-written unit) and skips the recorded
 units, so the finished file has no duplicates and no gaps.
+
+An existing output is never touched before the run succeeds: the journal writes
+``<output>.partial`` (and its index), created at the first commit, and renames both into place
+when it is finished. A failure (bad argument, crash, Ctrl-C) leaves the old output as it was;
+``--resume`` continues from the ``.partial`` file (or from a copy of a finished output).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 INDEX_SUFFIX = ".fastgen-index"
+PARTIAL_SUFFIX = ".partial"
 
 
 class ResumeError(RuntimeError):
@@ -25,6 +32,16 @@ class ResumeError(RuntimeError):
 
 def index_path(output: Path) -> Path:
     return output.with_name(output.name + INDEX_SUFFIX)
+
+
+def partial_path(output: Path) -> Path:
+    """Where a run writes ``output`` until it is finished."""
+    return output.with_name(output.name + PARTIAL_SUFFIX)
+
+
+def exists(output: Path) -> bool:
+    """True if ``output`` or an unfinished run's ``.partial`` of it is on disk."""
+    return output.exists() or partial_path(output).exists()
 
 
 def _fsync(handle: Any) -> None:
@@ -60,24 +77,51 @@ class Journal:
 
     def __init__(self, output: Path, header: dict[str, Any], resume: bool) -> None:
         self.output = Path(output)
-        self.index = index_path(self.output)
+        self.work = partial_path(self.output)
+        self.index = index_path(self.work)
+        self.header = header
         self.records: list[dict[str, Any]] = []
-        if resume and self.output.exists():
-            self._reopen(header)
-        else:
-            self.output.parent.mkdir(parents=True, exist_ok=True)
-            self._out = open(self.output, "wb")  # noqa: SIM115 - closed in close()
-            self._idx = open(self.index, "wb")  # noqa: SIM115
-            self._idx.write((json.dumps(header) + "\n").encode())
-            _fsync(self._out)
-            _fsync(self._idx)
-            self.offset = 0
+        self._out: Any = None
+        self._idx: Any = None
+        self.offset = 0
+        copied = resume and not self.work.exists() and self.output.exists()
+        if copied:
+            self._copy_finished()
+        if resume and self.work.exists():
+            try:
+                self._reopen(header)
+            except ResumeError:
+                if copied:  # leave no copy of a finished output behind
+                    self.work.unlink()
+                    self.index.unlink()
+                raise
+
+    def _copy_finished(self) -> None:
+        """Resume from a copy of a finished output, so the output itself stays as it is until the end."""
+        if not index_path(self.output).exists():
+            raise ResumeError(
+                f"cannot resume {self.output}: it has no {index_path(self.output).name} (not written by fastgen, "
+                "or its index was removed); delete the output or run without --resume"
+            )
+        shutil.copyfile(index_path(self.output), self.index)
+        shutil.copyfile(self.output, self.work)
+
+    def _open_fresh(self) -> None:
+        if self._out is not None:
+            return
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        self._out = open(self.work, "wb")  # noqa: SIM115 - closed in close()
+        self._idx = open(self.index, "wb")  # noqa: SIM115
+        self._idx.write((json.dumps(self.header) + "\n").encode())
+        _fsync(self._out)
+        _fsync(self._idx)
+        self.offset = 0
 
     def _reopen(self, header: dict[str, Any]) -> None:
         if not self.index.exists():
             raise ResumeError(
-                f"cannot resume {self.output}: it has no {self.index.name} (not written by fastgen, or its "
-                "index was removed); delete the output or run without --resume"
+                f"cannot resume {self.work}: it has no {self.index.name} (not written by fastgen, or its "
+                "index was removed); delete it or run without --resume"
             )
         old_header, records, _ = read_index(self.index)
         if old_header != header:
@@ -88,10 +132,10 @@ class Journal:
             )
         records = [r for r in records if "unit" in r]  # a trailer record is rewritten at the end
         end = records[-1]["end"] if records else 0
-        size = self.output.stat().st_size
+        size = self.work.stat().st_size
         if size < end:
-            raise ResumeError(f"cannot resume {self.output}: it has {size} bytes but its index says {end} were written")
-        self._out = open(self.output, "r+b")  # noqa: SIM115
+            raise ResumeError(f"cannot resume {self.work}: it has {size} bytes but its index says {end} were written")
+        self._out = open(self.work, "r+b")  # noqa: SIM115
         self._out.truncate(end)
         self._out.seek(end)
         _fsync(self._out)
@@ -112,6 +156,7 @@ class Journal:
 
     def commit(self, unit: int, text: str, **extra: Any) -> None:
         """Append one unit's text (whole lines) and its index record, each fsync'd."""
+        self._open_fresh()
         data = text.encode("utf-8")
         self._out.write(data)
         _fsync(self._out)
@@ -122,7 +167,8 @@ class Journal:
         self.records.append(record)
 
     def finish(self, trailer: str = "") -> None:
-        """Append text that follows every unit (fairseq's score line) and close."""
+        """Append text that follows every unit (fairseq's score line) and put the output in place."""
+        self._open_fresh()
         if trailer:
             data = trailer.encode("utf-8")
             self._out.write(data)
@@ -133,9 +179,13 @@ class Journal:
         self.close()
 
     def close(self) -> None:
+        """Finish a complete run: the ``.partial`` file and its index replace the output and its index."""
+        self._open_fresh()
         for handle in (self._out, self._idx):
             if not handle.closed:
                 handle.close()
+        os.replace(self.work, self.output)
+        os.replace(self.index, index_path(self.output))
 
 
 def iter_unit_texts(output: Path) -> Iterator[tuple[dict[str, Any], str]]:

@@ -43,7 +43,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicS
 from fastgen.models._caches import hypothesis_rows, plain_dynamic_cache
 from fastgen.models._families import is_subclass_of_any, unsupported_attention, unsupported_family
 from fastgen.models.family_checks import shared_prompt_family_problem
-from fastgen.ops.attention import prefix_shared_attention
+from fastgen.ops.attention import prefix_shared_attention, shared_kv_attention_backend
 
 #: ``config.model_type`` -> the self-attention class its layers use. Every entry is verified
 #: against upstream generation in tests/models/test_dedup_decoder_only.py. These classes call
@@ -343,6 +343,21 @@ def _softcap_problem(implementation: str | None, softcap: float | None) -> str |
     return None
 
 
+#: Half-precision dtypes: in these the torch path's split products round differently from upstream's kernels.
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _half_precision_exact(query: torch.Tensor, prefix: SharedPrefix, attention_mask: Any) -> bool:
+    """True when a half-precision call would take the torch path, whose eager-style products (rounded to
+    the dtype per part) flip near-ties that upstream's fused sdpa or single eager product do not
+    (benchmarks/half_precision.py). Such calls attend with upstream's own function over the
+    materialised per-hypothesis K/V (upstream's tensors; the cache still holds the prompt once)."""
+    if query.dtype not in _HALF:
+        return False
+    mask = attention_mask[..., : prefix.keys.shape[-2]] if isinstance(attention_mask, torch.Tensor) else None
+    return shared_kv_attention_backend(query, prefix.keys, prefix.values, mask) != "triton"
+
+
 def _causal_mask(q_len: int, total: int, device: torch.device) -> torch.Tensor:
     """Lower-right aligned causal mask: the ``q_len`` queries are the last positions of ``total``."""
     rows = torch.arange(total - q_len, total, device=device)
@@ -385,6 +400,9 @@ def prefix_attention(
                 on_fallback(problem)
             key, value = prefix.concatenated(key, value)
             return attention(module, query, key, value, attention_mask, *args, **kwargs)
+        if _half_precision_exact(query, prefix, attention_mask):
+            key, value = prefix.concatenated(key, value)
+            return attention(module, query, key, value, attention_mask, **kwargs)
         q_len, total = query.shape[2], prefix.keys.shape[-2] + key.shape[-2]
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal

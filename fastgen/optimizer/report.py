@@ -25,21 +25,34 @@ class Report:
     ``(feature, reason)`` for every call that ran all of upstream's code; ``degraded`` lists
     ``(feature, reason)`` where a feature took a slower, still exact path for part of a call;
     ``cache_bytes_saved`` adds up the K/V bytes a deduplicated cache did not have to hold
-    (measured when its ``generate`` call ended).
+    (measured when its ``generate`` call ended); ``counts`` adds up a feature's counters over the
+    block (speculative decoding: calls, rows, steps, draft tokens proposed and accepted).
     """
 
     ran: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     fell_back: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     degraded: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     cache_bytes_saved: int = 0
+    counts: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     _pending_caches: list[Callable[[], int]] = dataclasses.field(default_factory=list, repr=False)
 
     def fast_path(self, feature: str) -> bool:
         """True if ``feature`` ran at least once and never fell back in this block."""
         return feature in self.ran and not any(f == feature for f, _ in self.fell_back)
 
+    def acceptance_rate(self, feature: str = "speculative") -> float | None:
+        """Draft tokens accepted / proposed in this block, or None if none were proposed."""
+        counts = self.counts.get(feature, {})
+        return counts["accepted"] / counts["proposed"] if counts.get("proposed") else None
+
     def __str__(self) -> str:
         lines = [f"ran       {feature}: {'; '.join(what)}" for feature, what in self.ran.items()]
+        for feature, counts in self.counts.items():
+            rate = self.acceptance_rate(feature)
+            shown = ", ".join(f"{name} {value:,}" for name, value in counts.items())
+            lines.append(
+                f"counted   {feature}: {shown}" + (f", acceptance rate {rate:.1%}" if rate is not None else "")
+            )
         lines += [f"fell back {feature}: {reason}" for feature, reason in dict.fromkeys(self.fell_back)]
         lines += [f"degraded  {feature}: {reason}" for feature, reason in dict.fromkeys(self.degraded)]
         lines.append(f"cache bytes saved: {self.cache_bytes_saved:,}")
@@ -65,6 +78,15 @@ def note_ran(feature: str, what: str) -> None:
         entries = current.ran.setdefault(feature, [])
         if what not in entries:
             entries.append(what)
+
+
+def note_counts(feature: str, **counts: int) -> None:
+    """Add ``counts`` to ``feature``'s counters in the open report."""
+    current = _current.get()
+    if current is not None:
+        totals = current.counts.setdefault(feature, {})
+        for name, value in counts.items():
+            totals[name] = totals.get(name, 0) + value
 
 
 def note_fallback(feature: str, reason: str) -> None:

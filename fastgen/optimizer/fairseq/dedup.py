@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastgen.models.fairseq_transformer import already_beamable, beamable_cross_attention, unsupported_reason
+from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback
 
 FEATURE = "dedup"
@@ -33,6 +34,7 @@ def make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
         if reason:
             fallback(FEATURE, reason)
             return original(self, sample, *args, **kwargs)
+        report.note_ran(FEATURE, f"encoder output and cross-attention K/V shared by {beam} beams per input")
         setattr(self.model, _BEAM_ATTR, beam)
         try:
             with beamable_cross_attention(self.model.models, beam):

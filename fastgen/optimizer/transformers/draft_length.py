@@ -21,6 +21,23 @@ from typing import Any
 SCHEDULES = ("bass", "heuristic", "constant")
 
 
+#: The positive-integer settings (``fastgen_draft_schedule`` is checked against :data:`SCHEDULES`).
+INTEGER_OPTIONS = ("fastgen_draft_length", "fastgen_draft_increment", "fastgen_draft_mod", "fastgen_draft_limit")
+
+
+def check_options(generation_config: Any) -> None:
+    """Raise ValueError naming a fastgen draft option set to a value it cannot take, and the valid values.
+
+    A typo in fastgen's own option is the user's mistake to hear about, not a reason to fall back."""
+    schedule = getattr(generation_config, "fastgen_draft_schedule", None)
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"fastgen_draft_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
+    for name in INTEGER_OPTIONS:
+        value = getattr(generation_config, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer (or None for the default), got {value!r}")
+
+
 @dataclasses.dataclass
 class DraftLength:
     schedule: str = "bass"

@@ -35,8 +35,9 @@ from fastgen.ops.speculation import (
     speculative_sampling_accept,
 )
 from fastgen.optimizer.registry import fallback
+from fastgen.optimizer.transformers import speculative_stats
 from fastgen.optimizer.transformers.contract import CACHE
-from fastgen.optimizer.transformers.draft_length import SCHEDULES, DraftLength
+from fastgen.optimizer.transformers.draft_length import DraftLength, check_options
 
 FEATURE = "speculative"
 #: Model classes whose forward takes (input_ids, attention_mask, position_ids, cache) and
@@ -90,6 +91,7 @@ def make_assisted_decoding(original):
             tokenizer=tokenizer,
             **model_kwargs,
         )
+        check_options(generation_config)  # fastgen's own options: a bad value is an error, at any batch size
         if input_ids.dim() != 2 or input_ids.shape[0] <= 1:
             return original(*args, **kwargs)  # batch 1 is upstream's supported case: leave it alone
         problem = call_problem(self, generation_config, logits_processor, stopping_criteria, kwargs)
@@ -100,6 +102,7 @@ def make_assisted_decoding(original):
             sequences = speculative_generate(
                 self, assistant_model, input_ids, logits_processor, generation_config, model_kwargs
             )
+        speculative_stats.record(FEATURE, input_ids.shape[0], assistant_model is None, last_stats)
         if generation_config.return_dict_in_generate:
             from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -144,9 +147,6 @@ def call_problem(model, generation_config, logits_processor, stopping_criteria, 
             return f"{name}={getattr(generation_config, name)!r}"
     if getattr(generation_config, "use_mtp", False) or getattr(generation_config, "speculation_type", None):
         return "multi-token prediction / speculation_type"
-    schedule = getattr(generation_config, "fastgen_draft_schedule", None)
-    if schedule is not None and schedule not in SCHEDULES:
-        return f"fastgen_draft_schedule={schedule!r} (one of {SCHEDULES})"
     extra = sorted(k for k, v in kwargs.items() if k not in MODEL_KWARGS and v is not None and k not in _LOOP_ARGS)
     if extra:
         return f"model inputs {extra}"
