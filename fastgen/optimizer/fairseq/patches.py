@@ -61,3 +61,16 @@ PATCHES += [
         expects=("self", "sample", "prefix_tokens", "bos_token"),
     ),
 ]
+
+# ---------------------------------------------------------------------------- gemm
+# The vocabulary projection on CPU fp32 in its fastest bit-identical GEMM form (fastgen.ops.linear).
+PATCHES += [
+    Patch(
+        "gemm",
+        "fairseq.models.transformer.transformer_decoder:TransformerDecoderBase.output_layer",
+        "fastgen.optimizer.fairseq.gemm:make_output_layer",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "features"),
+    ),
+]
