@@ -43,3 +43,10 @@ def negate(original):
 
 def broken(original):
     raise RuntimeError("factory exploded")
+
+
+def exclaim(original):
+    def greet(name: str) -> str:
+        return original(name) + "!"
+
+    return greet
