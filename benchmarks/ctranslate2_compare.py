@@ -45,6 +45,7 @@ MODES: dict[str, dict[str, Any]] = {
 }
 ALL_BUT_GEMM = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES - {"gemm"})
 DEFAULT = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES)
+FAST = [*DEFAULT, "fast_gemm"]
 
 
 class _StandInTokenizer:
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
             "upstream": hf(None),
             "fastgen_without_gemm": hf(ALL_BUT_GEMM),
             "fastgen": hf(DEFAULT),
+            "fastgen_fast": hf(FAST),
         }
         if translator is not None:
             candidates["ctranslate2"] = ct2
@@ -190,14 +192,26 @@ def main(argv: list[str] | None = None) -> None:
             },
             "gemm_choices": {str(k): v.form for k, v in linear.choices().items()},
         }
+        entry["fast_mode_vs_upstream"] = {
+            "token_agreement": _agreement_ids(outputs["upstream"], outputs["fastgen_fast"]),
+            "rows_identical": _rows_identical(outputs["upstream"], outputs["fastgen_fast"]),
+            **_logit_difference(model, inputs, outputs["upstream"]),
+        }
         if translator is not None:
             entry["fastgen_over_ctranslate2"] = medians["ctranslate2"] / medians["fastgen"]
+            entry["fastgen_fast_over_ctranslate2"] = medians["ctranslate2"] / medians["fastgen_fast"]
             entry["ctranslate2_token_agreement"] = _agreement(outputs["upstream"], outputs["ctranslate2"], names)
         results[mode] = entry
         sys.stdout.write(
             f"{args.scenario} {mode} threads={args.threads}: "
             + ", ".join(f"{k} {v:.3f}s" for k, v in medians.items())
-            + (f"; fastgen/ct2 {entry['fastgen_over_ctranslate2']:.2f}x" if translator is not None else "")
+            + (
+                f"; fastgen/ct2 {entry['fastgen_over_ctranslate2']:.2f}x, fast/ct2 "
+                f"{entry['fastgen_fast_over_ctranslate2']:.2f}x"
+                if translator is not None
+                else ""
+            )
+            + f"; fast mode {entry['fast_mode_vs_upstream']}"
             + f"; identical {entry['identical_to_upstream']}; load {load[0]}..{load[-1]}\n"
         )
         sys.stdout.flush()
@@ -215,6 +229,32 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = args.out or Path(__file__).resolve().parent / "results" / f"ctranslate2-{args.scenario}-{args.threads}t.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _agreement_ids(upstream: torch.Tensor, other: torch.Tensor) -> float:
+    """Share of positions where two id tensors of one shape agree."""
+    return (upstream == other).float().mean().item() if upstream.shape == other.shape else 0.0
+
+
+def _rows_identical(upstream: torch.Tensor, other: torch.Tensor) -> str:
+    same = (upstream == other).all(dim=1).sum().item() if upstream.shape == other.shape else 0
+    return f"{same}/{upstream.shape[0]}"
+
+
+def _logit_difference(model: Any, inputs: dict[str, torch.Tensor], sequences: torch.Tensor) -> dict[str, float]:
+    """Max |logit difference| of the fast mode vs upstream, teacher-forced on upstream's sequences."""
+    from fastgen.optimizer.transformers.fast_gemm import packed_linears
+
+    with torch.inference_mode():
+        with fastgen.unpatched():
+            reference = model(**inputs, decoder_input_ids=sequences).logits
+        with packed_linears(model):
+            fast = model(**inputs, decoder_input_ids=sequences).logits
+    return {
+        "max_abs_logit_difference": (reference - fast).abs().max().item(),
+        "max_abs_logit": reference.abs().max().item(),
+        "argmax_agreement": (reference.argmax(-1) == fast.argmax(-1)).float().mean().item(),
+    }
 
 
 def _agreement(upstream: torch.Tensor, translated: list[Any], names: dict[int, str]) -> float:

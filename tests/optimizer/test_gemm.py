@@ -15,7 +15,8 @@ from tests import harness
 from tests.conftest import HAS_FAIRSEQ
 
 FAMILIES = ("bart", "marian", "t5", "whisper", "gpt2", "llama", "qwen2", "gemma2")
-EVERYTHING_BUT_GEMM = [f for f in registry.known_features() if f != "gemm"]
+DEFAULT_FEATURES = sorted(set(registry.known_features()) - registry.OPT_IN_FEATURES)
+EVERYTHING_BUT_GEMM = [f for f in DEFAULT_FEATURES if f != "gemm"]
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +69,7 @@ def test_with_every_other_feature_the_logits_do_not_change(family, tied):
     inputs = harness.tiny_inputs(model, batch=3)
     kwargs = dict(max_new_tokens=6, num_beams=4, no_repeat_ngram_size=2, logits=False)
     without, _ = _generate(model, inputs, EVERYTHING_BUT_GEMM, **kwargs)
-    with_gemm, report = _generate(model, inputs, registry.known_features(), **kwargs)
+    with_gemm, report = _generate(model, inputs, DEFAULT_FEATURES, **kwargs)
     _assert_identical(without, with_gemm, "scores")
     assert torch.equal(without.sequences_scores, with_gemm.sequences_scores)
     assert report.fast_path("gemm") and report.fast_path("beam"), report
@@ -124,13 +125,13 @@ def test_compiled_head_inside_the_scope_traces_upstream_linear():
 
 @pytest.mark.skipif(not HAS_FAIRSEQ, reason="fairseq is not installed")
 @pytest.mark.parametrize("beam", [1, 4])
-@pytest.mark.parametrize("features", [["gemm"], None])
+@pytest.mark.parametrize("features", [["gemm"], DEFAULT_FEATURES])
 def test_fairseq_output_projection_bit_identical(beam, features):
     from fastgen.optimizer import report as report_module
 
     model, dictionary = harness.tiny_fairseq_transformer(vocab=200)
     sample = harness.tiny_fairseq_sample(dictionary, batch=3)
-    others = EVERYTHING_BUT_GEMM if features is None else []
+    others = EVERYTHING_BUT_GEMM if features == DEFAULT_FEATURES else []
     with fastgen.patched(others):
         reference = harness.fairseq_generate(model, dictionary, sample, beam_size=beam, max_len_b=8)
     with fastgen.patched(features), report_module.report() as report:

@@ -29,6 +29,7 @@ import torch
 from fastgen.ops.linear import exact_linear
 from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback
+from fastgen.optimizer.transformers import fast_gemm
 
 FEATURE = "gemm"
 
@@ -51,7 +52,7 @@ def head_problem(model: Any) -> tuple[torch.nn.Linear | None, str | None]:
         return None, "the model has no output embeddings"
     if type(head) is not torch.nn.Linear:  # allow-list: a subclass may compute its own way
         return None, f"output embeddings are {type(head).__name__}, not torch.nn.Linear"
-    if "forward" in head.__dict__ and id(head) not in _installed:
+    if "forward" in head.__dict__ and id(head) not in _installed and not fast_gemm.installed(head):
         return None, "output embeddings carry their own instance forward"
     weight = head.weight
     if weight.device.type != "cpu":
@@ -67,6 +68,9 @@ def head_problem(model: Any) -> tuple[torch.nn.Linear | None, str | None]:
 def exact_output_projection(model: Any) -> Iterator[None]:
     """Inside the block, ``model``'s output embedding runs :func:`exact_linear` (see module docstring)."""
     head, problem = head_problem(model)
+    if head is not None and fast_gemm.installed(head):
+        yield  # the opt-in fast_gemm feature serves this head already (its own rounding, chosen by the user)
+        return
     if head is None:
         fallback(FEATURE, problem or "no output embeddings")
         yield

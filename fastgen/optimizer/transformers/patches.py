@@ -142,3 +142,17 @@ PATCHES += [
         expects=("self", "inputs", "generation_config"),
     ),
 ]
+
+# ---------------------------------------------------------------------------- fast_gemm (opt-in)
+# Every CPU fp32 nn.Linear on oneDNN with packed weights: faster, not bit-identical
+# (fastgen.optimizer.transformers.fast_gemm, fastgen.ops.fast_linear). Off by default (OPT_IN_FEATURES).
+PATCHES += [
+    Patch(
+        feature="fast_gemm",
+        target="transformers.generation.utils:GenerationMixin.generate",
+        factory="fastgen.optimizer.transformers.fast_gemm:make_generate",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("self", "inputs", "generation_config"),
+    ),
+]
