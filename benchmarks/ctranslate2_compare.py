@@ -272,3 +272,37 @@ def _agreement(upstream: torch.Tensor, translated: list[Any], names: dict[int, s
 
 if __name__ == "__main__":
     main()
+
+
+def _ratio(ctranslate2_seconds: float | None, seconds: float) -> str:
+    return f"{ctranslate2_seconds / seconds:.2f}×" if ctranslate2_seconds else "–"
+
+
+def readme_table(results_dir: Path | None = None) -> str:
+    """The README table of every ``ctranslate2-*.json`` result (``python -m benchmarks.report`` writes it)."""
+    results_dir = results_dir or Path(__file__).resolve().parent / "results"
+    lines = [
+        "| model | mode | threads | upstream | fastgen without gemm | fastgen (exact, default) | fastgen + fast_gemm "
+        "| CTranslate2 fp32 | exact / CT2 | fast / CT2 | exact identical | fast vs upstream: tokens, max logit diff "
+        "| thread CPU: upstream / without gemm / exact / fast | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(results_dir.glob("ctranslate2-*.json")):
+        r = json.loads(path.read_text())
+        for mode, e in r["modes"].items():
+            m = e["median_wall_seconds"]
+            fast = e["fast_mode_vs_upstream"]
+            ct2 = m.get("ctranslate2")
+            identical = "yes" if all(e["identical_to_upstream"].values()) else "NO"
+            load = e["load_average_1min"]
+            names = ("upstream", "fastgen_without_gemm", "fastgen", "fastgen_fast")
+            cpu = " / ".join(f"{statistics.median(e['thread_cpu_seconds'][n]):.2f}" for n in names)
+            lines.append(
+                f"| {r['scenario']} | {mode} | {r['threads']} | {m['upstream']:.2f} s "
+                f"| {m['fastgen_without_gemm']:.2f} s | {m['fastgen']:.2f} s "
+                f"| {m['fastgen_fast']:.2f} s | {f'{ct2:.2f} s' if ct2 else '–'} | {_ratio(ct2, m['fastgen'])} "
+                f"| {_ratio(ct2, m['fastgen_fast'])} | {identical} | {100 * fast['token_agreement']:.1f}% "
+                f"({fast['rows_identical']} rows), {fast['max_abs_logit_difference']:.1e} of "
+                f"{fast['max_abs_logit']:.1f} | {cpu} s | {min(load):.1f}–{max(load):.1f} |"
+            )
+    return "\n".join(lines)
