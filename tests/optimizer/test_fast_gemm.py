@@ -14,6 +14,7 @@ from fastgen.ops import fast_linear
 from fastgen.optimizer import registry
 from fastgen.optimizer.transformers import fast_gemm
 from tests import harness
+from tests.conftest import HAS_FAIRSEQ
 
 pytestmark = pytest.mark.skipif(fast_linear.unavailable() is not None, reason=str(fast_linear.unavailable()))
 
@@ -99,3 +100,22 @@ def test_compiled_linear_inside_the_scope_traces_f_linear():
         result = torch.compile(head, backend="eager", fullgraph=True)(x)
     assert explanation.graph_break_count == 0
     assert torch.equal(result, F.linear(x, head.weight))
+
+
+@pytest.mark.skipif(not HAS_FAIRSEQ, reason="fairseq is not installed")
+@pytest.mark.parametrize("beam", [1, 4])
+def test_fairseq_generation_runs_packed_and_stays_close(beam):
+    model, dictionary = harness.tiny_fairseq_transformer(vocab=200)
+    sample = harness.tiny_fairseq_sample(dictionary, batch=3)
+    with fastgen.patched(DEFAULT_FEATURES):
+        reference = harness.fairseq_generate(model, dictionary, sample, beam_size=beam, max_len_b=8)
+    with fastgen.patched([*DEFAULT_FEATURES, "fast_gemm"]), fastgen.report() as report:
+        candidate = harness.fairseq_generate(model, dictionary, sample, beam_size=beam, max_len_b=8)
+    assert report.fast_path("fast_gemm"), report
+    assert not any(f == "gemm" for f, _ in report.fell_back), report  # gemm steps aside silently
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert linears and not any("forward" in m.__dict__ for m in linears)
+    for ref_hypos, cand_hypos in zip(reference, candidate, strict=True):
+        for ref, cand in zip(ref_hypos, cand_hypos, strict=True):
+            assert torch.equal(ref["tokens"], cand["tokens"])
+            harness.assert_close_scores(ref["positional_scores"], cand["positional_scores"], "scores", 1e-5, 1e-5)

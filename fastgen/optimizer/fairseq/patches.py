@@ -74,3 +74,17 @@ PATCHES += [
         expects=("self", "features"),
     ),
 ]
+
+# ---------------------------------------------------------------------------- fast_gemm (opt-in)
+# Every CPU fp32 nn.Linear of the generator's models on oneDNN with packed weights: faster, not
+# bit-identical (fastgen.optimizer.fairseq.fast_gemm). Stacks on beam's generate hook.
+PATCHES += [
+    Patch(
+        "fast_gemm",
+        "fairseq.sequence_generator:SequenceGenerator.generate",
+        "fastgen.optimizer.fairseq.fast_gemm:make_generate",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "models", "sample"),
+    ),
+]

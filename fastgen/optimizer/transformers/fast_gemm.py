@@ -1,85 +1,21 @@
 """Opt-in fast, non-identical CPU linears for Transformers ``generate`` ("fast_gemm").
 
-For one ``generate`` call, every plain ``nn.Linear`` of the model with CPU fp32 weights (the
-encoder's, the decoder's and the output embeddings) gets an instance ``forward`` that runs
-:func:`fastgen.ops.fast_linear.packed_linear` (oneDNN with a pre-packed weight); the forwards are
-removed when the call ends. Weights are packed once per module and kept for the process (a second
-copy of the linear weights: the extra bytes are noted in :func:`fastgen.report`).
-
-Outputs are *not* bit-identical to upstream (see :mod:`fastgen.ops.fast_linear`); that is why the
-feature is off by default (``registry.OPT_IN_FEATURES``). The exact ``gemm`` feature steps aside for
-the output embeddings while this one is installed. Under ``torch.compile`` the installed forwards
-run ``F.linear`` (upstream's op) without a graph break.
+For one ``generate`` call every plain ``nn.Linear`` of the model with CPU fp32 weights (encoder,
+decoder, output embeddings) runs on oneDNN with a pre-packed weight
+(:mod:`fastgen.optimizer.fast_gemm_scope`, :mod:`fastgen.ops.fast_linear`). Outputs are *not*
+bit-identical to upstream; that is why the feature is off by default (``registry.OPT_IN_FEATURES``).
+The exact ``gemm`` feature steps aside for the output embeddings while this one serves them.
+Transformers' ``Conv1D`` (GPT-2) is not an ``nn.Linear`` and stays on upstream's op.
 """
 
 from __future__ import annotations
 
-import threading
-import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
-import torch
+from fastgen.optimizer.fast_gemm_scope import FEATURE, installed, packable_linears, packed_linears
 
-from fastgen.ops import fast_linear
-from fastgen.optimizer import report
-from fastgen.optimizer.registry import fallback
-
-FEATURE = "fast_gemm"
-
-_lock = threading.Lock()
-_installed: dict[int, int] = {}  # id(linear) -> number of generate calls using the installed forward
-
-
-def _packed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    return fast_linear.packed_linear(self, input)
-
-
-def installed(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward is this feature's packed one right now (the gemm feature asks)."""
-    return id(module) in _installed
-
-
-def packable_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The model's plain ``nn.Linear`` modules the packed path can serve (each once)."""
-    chosen: dict[int, torch.nn.Linear] = {}
-    for module in model.modules():
-        if type(module) is not torch.nn.Linear or id(module) in chosen:
-            continue
-        if "forward" in module.__dict__ and id(module) not in _installed:
-            continue  # someone else's instance forward
-        if fast_linear.module_problem(module) is None:
-            chosen[id(module)] = module
-    return list(chosen.values())
-
-
-@contextmanager
-def packed_linears(model: torch.nn.Module) -> Iterator[None]:
-    """Inside the block, ``model``'s plain CPU fp32 linears run on oneDNN with packed weights."""
-    problem = fast_linear.unavailable()
-    modules = [] if problem else packable_linears(model)
-    if not modules:
-        fallback(FEATURE, problem or "no CPU float32 nn.Linear modules in the model")
-        yield
-        return
-    with _lock:
-        extra = sum(fast_linear.prepack(module) for module in modules)
-        for module in modules:
-            count = _installed.get(id(module), 0)
-            if count == 0:
-                module.forward = types.MethodType(_packed_forward, module)
-            _installed[id(module)] = count + 1
-    report.note_ran(FEATURE, f"{len(modules)} linears on oneDNN with packed weights ({extra / 2**20:.0f} MiB)")
-    try:
-        yield
-    finally:
-        with _lock:
-            for module in modules:
-                _installed[id(module)] -= 1
-                if _installed[id(module)] == 0:
-                    del _installed[id(module)]
-                    del module.forward
+__all__ = ["FEATURE", "installed", "make_generate", "packable_linears", "packed_linears"]
 
 
 def make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
