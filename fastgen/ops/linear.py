@@ -7,11 +7,12 @@ is often faster, and — because each output element is still one dot product ov
 with the same kernel — usually identical bit for bit. "Usually" is not good enough, and which
 block size is fastest depends on the CPU, so nothing here is assumed:
 
-* the first call for a *key* (weight shape, bias or not, row count, thread count, the input's
-  alignment) **calibrates**: it runs ``F.linear`` (whose result it returns), runs every candidate
-  form on the same input, drops each one whose result is not ``torch.equal`` to ``F.linear``'s,
-  times the rest against ``F.linear`` in alternating rounds, and keeps the fastest only if it
-  beats ``F.linear`` by :data:`MIN_GAIN`; otherwise the key keeps ``F.linear``;
+* a *key* (weight shape, bias or not, row count, thread count, the input's alignment) runs
+  ``F.linear`` for its first :data:`CALIBRATE_AFTER` - 1 calls; the next call **calibrates**: it
+  runs ``F.linear`` (whose result it returns), runs every candidate form on the same input, drops
+  each one whose result is not ``torch.equal`` to ``F.linear``'s, times the rest against
+  ``F.linear`` in alternating rounds, and keeps the fastest only if it beats ``F.linear`` by
+  :data:`MIN_GAIN`; otherwise the key keeps ``F.linear``;
 * later calls with the key run the kept form. The choice is remembered for the process.
 
 The candidates never copy the weight (column blocks of a row-major ``(N, K)`` weight are
@@ -43,6 +44,11 @@ MIN_OUT_FEATURES = 2 * min(BLOCK_SIZES)
 #: Skip calibrating products larger than this many multiply-adds (a prefill over thousands of rows):
 #: the calibration would cost seconds and blocking gains little on tall inputs.
 MAX_CALIBRATION_MACS = 2e9
+#: Calls of a key that run ``F.linear`` before it is calibrated ("rent before you buy"): calibrating
+#: costs about as much as this many calls (verification plus ROUNDS timed rounds of every form), so a
+#: key used only a few times (a passing row count) never pays for it, and one that is used often has
+#: spent at most as much as the calibration before the calibration starts paying back.
+CALIBRATE_AFTER = 16
 
 Key = tuple[int, int, bool, int, int, int, int]
 
@@ -58,6 +64,7 @@ class Choice:
 
 
 _choices: dict[Key, Choice] = {}
+_seen: dict[Key, int] = {}  # calls of a key not calibrated yet
 _lock = threading.Lock()
 
 
@@ -174,6 +181,9 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if choice is None:
         if x2.shape[0] * weight.shape[0] * weight.shape[1] > MAX_CALIBRATION_MACS:
             return F.linear(x, weight, bias)
+        seen = _seen[key] = _seen.get(key, 0) + 1
+        if seen < CALIBRATE_AFTER:
+            return F.linear(x, weight, bias)
         with _lock:  # one calibration per key, and not timed against another thread's
             choice = _choices.get(key)
             if choice is None:
@@ -189,6 +199,7 @@ def forget_choices() -> None:
     """Drop every remembered choice (tests; a process whose thread count or load changed for good)."""
     with _lock:
         _choices.clear()
+        _seen.clear()
 
 
 def choices() -> dict[Key, Choice]:

@@ -17,6 +17,7 @@ from fastgen.ops import linear
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     monkeypatch.setattr(linear, "BLOCK_SIZES", (8, 32, 64))
+    monkeypatch.setattr(linear, "CALIBRATE_AFTER", 1)
     monkeypatch.setattr(linear, "MIN_OUT_FEATURES", 16)
     linear.forget_choices()
     yield
@@ -132,3 +133,16 @@ def test_compiled_caller_traces_f_linear_without_graph_breaks(monkeypatch):
     compiled = torch.compile(project, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x), F.linear(x, weight) * 2)
     assert linear.choices() == {}  # nothing calibrated inside the trace
+
+
+def test_a_key_runs_f_linear_until_it_has_been_seen_often_enough(monkeypatch):
+    prefer_blocked(monkeypatch)
+    monkeypatch.setattr(linear, "CALIBRATE_AFTER", 4)
+    weight = torch.randn(96, 32)
+    x = torch.randn(16, 32)
+    for _ in range(3):
+        assert torch.equal(linear.exact_linear(x, weight), F.linear(x, weight))
+        assert linear.choice_for(x, weight) is None
+    assert linear.choice_for(torch.randn(8, 32), weight) is None  # another row count: its own key
+    assert torch.equal(linear.exact_linear(x, weight), F.linear(x, weight))
+    assert linear.choice_for(x, weight) is not None

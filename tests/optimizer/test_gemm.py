@@ -22,6 +22,7 @@ EVERYTHING_BUT_GEMM = [f for f in DEFAULT_FEATURES if f != "gemm"]
 @pytest.fixture(autouse=True)
 def blocked_path(monkeypatch):
     monkeypatch.setattr(linear, "BLOCK_SIZES", (32, 64))
+    monkeypatch.setattr(linear, "CALIBRATE_AFTER", 1)
     monkeypatch.setattr(linear, "MIN_OUT_FEATURES", 64)
     monkeypatch.setattr(linear, "pick", lambda medians: next((n for n in medians if n != "linear"), "linear"))
     linear.forget_choices()
