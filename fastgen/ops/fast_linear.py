@@ -51,16 +51,29 @@ def module_problem(module: torch.nn.Linear) -> str | None:
     return None
 
 
-def _packed_weight(module: torch.nn.Linear) -> torch.Tensor:
+def _packed_weight(module: torch.nn.Module, transposed: bool = False) -> torch.Tensor:
+    """``module.weight`` (``(out, in)``; ``(in, out)`` when ``transposed``) packed for oneDNN, cached."""
     weight = module.weight
     stamp = (weight._version, weight.data_ptr())
     entry = _packed.get(module)
     if entry is None or entry[:2] != stamp:
         with _lock, torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            source = weight.detach().t().contiguous() if transposed else weight.detach()
+            packed = torch.ops.mkldnn._reorder_linear_weight(source)
             _packed[module] = (*stamp, packed)
             return packed
     return entry[2]
+
+
+def runs_packed(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether a call may take the packed path (not traced, CPU fp32, no autograd, 2+ dims)."""
+    return not (
+        torch.compiler.is_compiling()
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        or x.dim() < 2
+    )
 
 
 def packed_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -69,21 +82,25 @@ def packed_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     Falls back to ``F.linear`` under ``torch.compile`` tracing, with autograd, and for non-fp32 or
     non-CPU inputs, so the result is then upstream's exactly.
     """
-    weight, bias = module.weight, module.bias
-    if (
-        torch.compiler.is_compiling()
-        or x.device.type != "cpu"
-        or x.dtype != torch.float32
-        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        or x.dim() < 2
-    ):
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(module), bias, "none", [], "")
+    if not runs_packed(module.weight, x):
+        return F.linear(x, module.weight, module.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(module), module.bias, "none", [], "")
 
 
-def prepack(module: torch.nn.Linear) -> int:
+def packed_conv1d(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Transformers' ``Conv1D`` (GPT-2: ``x @ weight + bias``, weight ``(in, out)``) through oneDNN.
+
+    Where the packed path cannot run, the module class's own ``forward`` (upstream's ``addmm``).
+    """
+    if not runs_packed(module.weight, x):
+        return type(module).forward(module, x)
+    packed = _packed_weight(module, transposed=True)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
+
+
+def prepack(module: torch.nn.Module, transposed: bool = False) -> int:
     """Pack ``module``'s weight now (outside the timed decode loop); returns the packed copy's bytes."""
-    packed = _packed_weight(module)
+    packed = _packed_weight(module, transposed)
     return packed.numel() * packed.element_size()
 
 

@@ -32,16 +32,26 @@ def _packed_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return fast_linear.packed_linear(self, input)
 
 
+def _packed_conv1d_forward(self: torch.nn.Module, input: torch.Tensor) -> torch.Tensor:
+    return fast_linear.packed_conv1d(self, input)
+
+
+def is_conv1d(module: torch.nn.Module) -> bool:
+    """Exactly Transformers' ``Conv1D`` (GPT-2's linears, weight ``(in, out)``), named without importing it."""
+    kind = type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__ == "transformers.pytorch_utils"
+
+
 def installed(module: torch.nn.Module) -> bool:
     """Whether ``module``'s forward is this feature's packed one right now (the gemm feature asks)."""
     return id(module) in _installed
 
 
 def packable_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The model's plain ``nn.Linear`` modules the packed path can serve (each once)."""
+    """The model's plain ``nn.Linear`` (and Transformers ``Conv1D``) modules the packed path can serve."""
     chosen: dict[int, torch.nn.Linear] = {}
     for module in model.modules():
-        if type(module) is not torch.nn.Linear or id(module) in chosen:
+        if (type(module) is not torch.nn.Linear and not is_conv1d(module)) or id(module) in chosen:
             continue
         if "forward" in module.__dict__ and id(module) not in _installed:
             continue  # someone else's instance forward
@@ -60,11 +70,12 @@ def packed_linears(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     with _lock:
-        extra = sum(fast_linear.prepack(module) for module in modules)
+        extra = sum(fast_linear.prepack(module, transposed=is_conv1d(module)) for module in modules)
         for module in modules:
             count = _installed.get(id(module), 0)
             if count == 0:
-                module.forward = types.MethodType(_packed_forward, module)
+                forward = _packed_conv1d_forward if is_conv1d(module) else _packed_forward
+                module.forward = types.MethodType(forward, module)
             _installed[id(module)] = count + 1
     report.note_ran(FEATURE, f"{len(modules)} linears on oneDNN with packed weights ({extra / 2**20:.0f} MiB)")
     try:

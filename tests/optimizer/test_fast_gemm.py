@@ -50,7 +50,7 @@ def test_packed_weight_follows_weight_updates():
         torch.testing.assert_close(fast_linear.packed_linear(module, x), F.linear(x, module.weight, module.bias))
 
 
-@pytest.mark.parametrize("family", ["bart", "marian", "t5", "llama"])
+@pytest.mark.parametrize("family", ["bart", "marian", "t5", "llama", "gpt2"])
 def test_generation_runs_packed_and_stays_close(family):
     model = harness.tiny_hf_model(family)
     inputs = harness.tiny_inputs(model, batch=3)
@@ -119,3 +119,21 @@ def test_fairseq_generation_runs_packed_and_stays_close(beam):
         for ref, cand in zip(ref_hypos, cand_hypos, strict=True):
             assert torch.equal(ref["tokens"], cand["tokens"])
             harness.assert_close_scores(ref["positional_scores"], cand["positional_scores"], "scores", 1e-5, 1e-5)
+
+
+def test_gpt2_conv1d_layers_run_packed_and_close():
+    from transformers.pytorch_utils import Conv1D
+
+    from fastgen.optimizer import fast_gemm_scope
+
+    model = harness.tiny_hf_model("gpt2")
+    convs = [m for m in model.modules() if type(m) is Conv1D]
+    assert convs and all(fast_gemm_scope.is_conv1d(m) for m in convs)
+    x = torch.randn(3, 2, model.config.n_embd)
+    with torch.no_grad():
+        expected = convs[0](x)
+        with fast_gemm.packed_linears(model):
+            assert all(fast_gemm.installed(m) for m in convs)
+            result = convs[0](x)
+    assert "forward" not in convs[0].__dict__
+    torch.testing.assert_close(result, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)

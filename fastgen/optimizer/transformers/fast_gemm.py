@@ -5,7 +5,7 @@ decoder, output embeddings) runs on oneDNN with a pre-packed weight
 (:mod:`fastgen.optimizer.fast_gemm_scope`, :mod:`fastgen.ops.fast_linear`). Outputs are *not*
 bit-identical to upstream; that is why the feature is off by default (``registry.OPT_IN_FEATURES``).
 The exact ``gemm`` feature steps aside for the output embeddings while this one serves them.
-Transformers' ``Conv1D`` (GPT-2) is not an ``nn.Linear`` and stays on upstream's op.
+Transformers' ``Conv1D`` (GPT-2's linears) is packed from its transposed weight.
 """
 
 from __future__ import annotations
