@@ -11,6 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+CT2_BEGIN, CT2_END = "<!-- ctranslate2:begin -->", "<!-- ctranslate2:end -->"
 
 
 def _row(r: dict, notes: list[str]) -> str | None:
@@ -129,6 +130,10 @@ def main() -> None:
     text = _replace_block(readme.read_text(), BEGIN, END, table())
     if STEPS_BEGIN in text:
         text = _replace_block(text, STEPS_BEGIN, STEPS_END, beam_steps_tables())
+    if CT2_BEGIN in text:  # issue 18: fastgen vs CTranslate2 (benchmarks/ctranslate2_compare.py)
+        from benchmarks.ctranslate2_compare import readme_table
+
+        text = _replace_block(text, CT2_BEGIN, CT2_END, readme_table())
     readme.write_text(text)
 
 

@@ -126,7 +126,8 @@ def declared_patches() -> list[Patch]:
 
 #: features applied only when named (``enable([...])`` / ``FASTGEN_FEATURES``), never by default:
 #: unfinished work that must not change what a plain ``import fastgen`` runs.
-OPT_IN_FEATURES: frozenset[str] = frozenset()  # none today (beam was, until its loop matched upstream's suites)
+#: fast_gemm: oneDNN packed linears, faster on CPU but not bit-identical to upstream (issue 18).
+OPT_IN_FEATURES: frozenset[str] = frozenset({"fast_gemm"})  # beam was, until its loop matched upstream's suites
 
 
 def known_features() -> list[str]:
@@ -258,6 +259,20 @@ def _initializing(module_name: str) -> bool:
     return module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False)
 
 
+def _stacks_on(patch: Patch, owner: Any, name: str, own: Any) -> bool:
+    """Whether ``own`` on ``owner.name`` was installed by an applied patch of another feature.
+
+    Two features may hook the same target (e.g. ``generate``: dedup folds the returned cache, gemm
+    scopes its output-projection hook to the call). The later one wraps the earlier one's
+    installed dispatcher, so both run, each still falling back per call on its own; ``disable()``
+    undoes patches in reverse order, so every original comes back exactly.
+    """
+    return any(
+        record.owner is owner and record.name == name and record.installed is own and other.feature != patch.feature
+        for other, record in _state.applied.items()
+    )
+
+
 def _apply(patch: Patch, executed: str | None = None) -> None:
     """Install ``patch`` now; its module must be imported. Records the outcome in status.
 
@@ -278,10 +293,12 @@ def _apply(patch: Patch, executed: str | None = None) -> None:
     func = raw.__func__ if descriptor else raw
     own = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
     if getattr(func, "__fastgen_patched__", False):
-        if own is not _MISSING:
+        if own is not _MISSING and not _stacks_on(patch, owner, name, own):
             _state.status[patch] = "skipped: already patched"
             return
-        func = func.__wrapped__  # inherited from a patched base class: wrap the upstream original
+        if own is _MISSING:
+            func = func.__wrapped__  # inherited from a patched base class: wrap the upstream original
+        # else another feature's replacement is installed here: wrap it (see _stacks_on)
     problem = _signature_problem(func, patch.expects)
     if problem:
         _state.status[patch] = f"skipped: {problem}"
@@ -436,7 +453,7 @@ def enable(features: str | Iterable[str] | None = None) -> None:
 def disable() -> None:
     """Undo every patch, restoring the exact original objects; stop patching on import."""
     with _lock:
-        for patch in list(_state.applied):
+        for patch in reversed(list(_state.applied)):  # stacked patches (_stacks_on) unwind in order
             _restore(patch)
         _state.enabled_features = None
         _state.status.clear()

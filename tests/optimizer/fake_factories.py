@@ -56,3 +56,10 @@ def structure_known():
 
 def broken_check():
     raise RuntimeError("boom")
+
+
+def exclaim(original):
+    def greet(name: str) -> str:
+        return original(name) + "!"
+
+    return greet

@@ -61,3 +61,30 @@ PATCHES += [
         expects=("self", "sample", "prefix_tokens", "bos_token"),
     ),
 ]
+
+# ---------------------------------------------------------------------------- gemm
+# The vocabulary projection on CPU fp32 in its fastest bit-identical GEMM form (fastgen.ops.linear).
+PATCHES += [
+    Patch(
+        "gemm",
+        "fairseq.models.transformer.transformer_decoder:TransformerDecoderBase.output_layer",
+        "fastgen.optimizer.fairseq.gemm:make_output_layer",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "features"),
+    ),
+]
+
+# ---------------------------------------------------------------------------- fast_gemm (opt-in)
+# Every CPU fp32 nn.Linear of the generator's models on oneDNN with packed weights: faster, not
+# bit-identical (fastgen.optimizer.fairseq.fast_gemm). Stacks on beam's generate hook.
+PATCHES += [
+    Patch(
+        "fast_gemm",
+        "fairseq.sequence_generator:SequenceGenerator.generate",
+        "fastgen.optimizer.fairseq.fast_gemm:make_generate",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "models", "sample"),
+    ),
+]

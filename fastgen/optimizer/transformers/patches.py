@@ -139,3 +139,31 @@ PATCHES += [
         expects=("self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "assistant_model"),
     ),
 ]
+
+# ---------------------------------------------------------------------------- gemm
+# The vocabulary projection (output embeddings) on CPU fp32 in its fastest bit-identical GEMM form
+# (fastgen.optimizer.transformers.gemm, fastgen.ops.linear). Stacks on dedup's generate hook.
+PATCHES += [
+    Patch(
+        feature="gemm",
+        target="transformers.generation.utils:GenerationMixin.generate",
+        factory="fastgen.optimizer.transformers.gemm:make_generate",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("self", "inputs", "generation_config"),
+    ),
+]
+
+# ---------------------------------------------------------------------------- fast_gemm (opt-in)
+# Every CPU fp32 nn.Linear on oneDNN with packed weights: faster, not bit-identical
+# (fastgen.optimizer.transformers.fast_gemm, fastgen.ops.fast_linear). Off by default (OPT_IN_FEATURES).
+PATCHES += [
+    Patch(
+        feature="fast_gemm",
+        target="transformers.generation.utils:GenerationMixin.generate",
+        factory="fastgen.optimizer.transformers.fast_gemm:make_generate",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("self", "inputs", "generation_config"),
+    ),
+]

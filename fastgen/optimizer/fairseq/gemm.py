@@ -1,0 +1,55 @@
+"""Exact fast vocabulary projection for fairseq's transformer decoder on CPU fp32 ("gemm").
+
+``TransformerDecoderBase.output_layer`` projects the decoder features onto the vocabulary with
+``self.output_projection`` (an ``nn.Linear``, shared with the embeddings or not). The replacement
+runs the same product through :func:`fastgen.ops.linear.exact_linear`, which gives ``F.linear``'s
+bits in the fastest form it measured on this CPU. Adaptive softmax, a projection that is not a
+plain ``nn.Linear``, and calls off CPU fp32 go to upstream's method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fastgen.ops.linear import exact_linear
+from fastgen.optimizer import fast_gemm_scope, report
+from fastgen.optimizer.registry import fallback
+
+FEATURE = "gemm"
+
+
+def projection_problem(decoder: Any, features: torch.Tensor) -> str | None:
+    """Why this ``output_layer`` call runs upstream's code, or None."""
+    if getattr(decoder, "adaptive_softmax", None) is not None:
+        return "adaptive softmax"
+    projection = getattr(decoder, "output_projection", None)
+    if type(projection) is not torch.nn.Linear:  # allow-list: a subclass may compute its own way
+        return f"output_projection is {type(projection).__name__}, not torch.nn.Linear"
+    if "forward" in projection.__dict__:
+        return "output_projection carries its own instance forward"
+    weight = projection.weight
+    if weight.device.type != "cpu" or features.device.type != "cpu":
+        return f"output projection on {weight.device.type} (the exact GEMM forms are for CPU)"
+    if weight.dtype != torch.float32 or features.dtype != torch.float32:
+        return f"output projection in {weight.dtype} (the exact GEMM forms are for float32)"
+    return None
+
+
+def make_output_layer(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Replacement for ``TransformerDecoderBase.output_layer`` (see module docstring)."""
+
+    def output_layer(self: Any, features: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or fast_gemm_scope.installed(getattr(self, "output_projection", None)):
+            return original(self, features)  # compiled: upstream's op; fast_gemm: its packed forward
+        problem = projection_problem(self, features)
+        if problem is not None:
+            fallback(FEATURE, problem)
+            return original(self, features)
+        projection = self.output_projection
+        report.note_ran(FEATURE, "output projection in its fastest bit-identical form")
+        return exact_linear(features, projection.weight, projection.bias)
+
+    return output_layer

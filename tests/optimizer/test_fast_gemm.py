@@ -1,0 +1,139 @@
+"""The opt-in "fast_gemm" feature: oneDNN packed linears, close to upstream but not bit-identical.
+
+What is asserted: it is off by default; when on, it runs for every plain CPU fp32 ``nn.Linear`` of
+the call and leaves the modules as they were; its logits stay within a few ulps of the step's
+largest logit; it falls back to upstream's op for other dtypes and under ``torch.compile``.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastgen
+from fastgen.ops import fast_linear
+from fastgen.optimizer import registry
+from fastgen.optimizer.transformers import fast_gemm
+from tests import harness
+from tests.conftest import HAS_FAIRSEQ
+
+pytestmark = pytest.mark.skipif(fast_linear.unavailable() is not None, reason=str(fast_linear.unavailable()))
+
+DEFAULT_FEATURES = sorted(set(registry.known_features()) - registry.OPT_IN_FEATURES)
+
+
+def test_off_by_default():
+    assert "fast_gemm" in registry.OPT_IN_FEATURES
+    with fastgen.patched():
+        states = {row.feature: row.state for row in fastgen.status()}
+        assert states["fast_gemm"] == "disabled: feature not selected"
+        assert registry.feature_enabled("gemm") and not registry.feature_enabled("fast_gemm")
+
+
+@pytest.mark.parametrize("shape", [(5, 48), (3, 1, 48), (2, 7, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_close_to_f_linear(shape, bias):
+    module = torch.nn.Linear(48, 130, bias=bias)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        result = fast_linear.packed_linear(module, x)
+        expected = F.linear(x, module.weight, module.bias)
+    assert result.shape == expected.shape
+    torch.testing.assert_close(result, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
+
+
+def test_packed_weight_follows_weight_updates():
+    module = torch.nn.Linear(16, 64)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        fast_linear.packed_linear(module, x)
+        module.weight.mul_(2)
+        torch.testing.assert_close(fast_linear.packed_linear(module, x), F.linear(x, module.weight, module.bias))
+
+
+@pytest.mark.parametrize("family", ["bart", "marian", "t5", "llama", "gpt2"])
+def test_generation_runs_packed_and_stays_close(family):
+    model = harness.tiny_hf_model(family)
+    inputs = harness.tiny_inputs(model, batch=3)
+    kwargs = dict(max_new_tokens=6, num_beams=4, return_dict_in_generate=True, output_scores=True)
+    with fastgen.patched(DEFAULT_FEATURES):
+        reference = model.generate(**inputs, **kwargs)
+    with fastgen.patched([*DEFAULT_FEATURES, "fast_gemm"]), fastgen.report() as report:
+        candidate = model.generate(**inputs, **kwargs)
+    assert report.fast_path("fast_gemm"), report
+    assert "gemm" not in report.ran or report.fast_path("gemm")
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert not any("forward" in m.__dict__ for m in linears)  # removed when the call ended
+    # Tiny models: close enough that the same tokens win (real shapes: see README's measured agreement).
+    assert torch.equal(reference.sequences, candidate.sequences)
+    for ref, cand in zip(reference.scores, candidate.scores, strict=True):
+        harness.assert_close_scores(ref, cand, "scores", atol=1e-5, rtol=1e-5)
+
+
+def test_installs_on_every_linear_during_the_call_only():
+    model = harness.tiny_hf_model("bart")
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    with fast_gemm.packed_linears(model):
+        assert all(fast_gemm.installed(m) and "forward" in m.__dict__ for m in linears)
+        with fast_gemm.packed_linears(model):
+            pass
+        assert all(fast_gemm.installed(m) for m in linears)
+    assert not any(fast_gemm.installed(m) or "forward" in m.__dict__ for m in linears)
+
+
+def test_other_dtypes_fall_back_with_a_reason():
+    model = harness.tiny_hf_model("bart").double()
+    inputs = harness.tiny_inputs(model, batch=2)
+    with fastgen.unpatched():
+        reference = model.generate(**inputs, max_new_tokens=4, num_beams=2)
+    with fastgen.patched(["fast_gemm"]), fastgen.report() as report:
+        candidate = model.generate(**inputs, max_new_tokens=4, num_beams=2)
+    assert torch.equal(reference, candidate)
+    assert ("fast_gemm", "no CPU float32 nn.Linear modules in the model") in report.fell_back
+
+
+def test_compiled_linear_inside_the_scope_traces_f_linear():
+    model = harness.tiny_hf_model("bart")
+    head = model.get_output_embeddings()
+    x = torch.randn(4, 1, model.config.d_model)
+    with fast_gemm.packed_linears(model), torch.no_grad():
+        explanation = torch._dynamo.explain(head)(x)
+        result = torch.compile(head, backend="eager", fullgraph=True)(x)
+    assert explanation.graph_break_count == 0
+    assert torch.equal(result, F.linear(x, head.weight))
+
+
+@pytest.mark.skipif(not HAS_FAIRSEQ, reason="fairseq is not installed")
+@pytest.mark.parametrize("beam", [1, 4])
+def test_fairseq_generation_runs_packed_and_stays_close(beam):
+    model, dictionary = harness.tiny_fairseq_transformer(vocab=200)
+    sample = harness.tiny_fairseq_sample(dictionary, batch=3)
+    with fastgen.patched(DEFAULT_FEATURES):
+        reference = harness.fairseq_generate(model, dictionary, sample, beam_size=beam, max_len_b=8)
+    with fastgen.patched([*DEFAULT_FEATURES, "fast_gemm"]), fastgen.report() as report:
+        candidate = harness.fairseq_generate(model, dictionary, sample, beam_size=beam, max_len_b=8)
+    assert report.fast_path("fast_gemm"), report
+    assert not any(f == "gemm" for f, _ in report.fell_back), report  # gemm steps aside silently
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert linears and not any("forward" in m.__dict__ for m in linears)
+    for ref_hypos, cand_hypos in zip(reference, candidate, strict=True):
+        for ref, cand in zip(ref_hypos, cand_hypos, strict=True):
+            assert torch.equal(ref["tokens"], cand["tokens"])
+            harness.assert_close_scores(ref["positional_scores"], cand["positional_scores"], "scores", 1e-5, 1e-5)
+
+
+def test_gpt2_conv1d_layers_run_packed_and_close():
+    from transformers.pytorch_utils import Conv1D
+
+    from fastgen.optimizer import fast_gemm_scope
+
+    model = harness.tiny_hf_model("gpt2")
+    convs = [m for m in model.modules() if type(m) is Conv1D]
+    assert convs and all(fast_gemm_scope.is_conv1d(m) for m in convs)
+    x = torch.randn(3, 2, model.config.n_embd)
+    with torch.no_grad():
+        expected = convs[0](x)
+        with fast_gemm.packed_linears(model):
+            assert all(fast_gemm.installed(m) for m in convs)
+            result = convs[0](x)
+    assert "forward" not in convs[0].__dict__
+    torch.testing.assert_close(result, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
