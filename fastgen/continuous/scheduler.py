@@ -1,0 +1,156 @@
+"""The continuous-batching scheduler: keep ``batch_rows`` decoder rows busy while a list of inputs is generated.
+
+A static batch (``generate`` on length-sorted chunks, fastgen's shrinking beam loop included) gets
+thinner as its inputs finish and waits for its longest one; on a CPU a decoder step costs about the
+same for 4 rows as for 64 (it streams the weights), so every thinned step wastes most of its cost.
+Here, as soon as an input is done its rows leave and the next inputs of the queue take the free slots:
+each newcomer is encoded (alone, so its encoder states are exactly those of ``generate`` on it
+alone), its cross-attention K/V are projected once and padded to the batch's widest, and its first
+decoder step joins the running step. Results come out in input order.
+
+Per input, every row does the arithmetic of ``generate`` on that input alone (module docs of
+:mod:`.cache`, :mod:`.search`); the tests check tokens exactly and scores within a few ulps of the
+step's logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from fastgen.continuous import model as model_calls
+from fastgen.continuous.cache import SlotCache
+from fastgen.continuous.search import Finished, SearchState
+from fastgen.continuous.settings import Settings
+from fastgen.optimizer import registry, report
+
+FEATURE = "continuous"
+_GET_INTERFACE = "transformers.modeling_utils:AttentionInterface.get_interface"
+
+
+def beams_can_share_cross_kv(model: Any) -> bool:
+    """Whether fastgen's grouped attention (feature ``dedup``) serves one cross K/V row per input now."""
+    from fastgen.models.encoder_decoder import shared_cross_attention_problem
+
+    if not registry.active() or shared_cross_attention_problem(model) is not None:
+        return False
+    return any(row.target == _GET_INTERFACE and row.state == "applied" for row in registry.status())
+
+
+def run_continuous(
+    model: Any, inputs: Iterable[Any], settings: Settings, batch_rows: int, share: bool | None = None
+) -> Iterator[Finished]:
+    """Generate every input, yielding :class:`Finished` results in input order."""
+    device = model.device
+    beams = settings.num_beams
+    slots = max(1, batch_rows // beams)
+    share = beams_can_share_cross_kv(model) if share is None else share
+    cross_rows = 1 if share or beams == 1 else beams  # cross K/V rows per input
+    state = SearchState(settings, device)
+    cache = SlotCache(len(model.get_decoder().layers))
+    encoder_lengths: list[int] = []  # per running input
+    queue = enumerate(inputs)
+    exhausted = False
+    ready: dict[int, Finished] = {}
+    next_out = 0
+    positions: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)]
+    stats = {"steps": 0, "rows": 0}
+    report.note_ran(FEATURE, "continuous batching" + (" with shared cross-attention K/V" if cross_rows == 1 else ""))
+    with torch.inference_mode(), model_calls.row_positions(model, positions):
+        while True:
+            free = slots - len(state)
+            if free > 0 and not exhausted:
+                newcomers = []
+                for _ in range(free):
+                    item = next(queue, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    newcomers.append((item[0], _as_ids(item[1], item[0], device)))
+                if newcomers:
+                    _admit(model, state, cache, encoder_lengths, newcomers, cross_rows)
+            if not len(state):
+                break
+            lengths = state.row_lengths()
+            width = max(state.host_lengths)
+            positions[0] = lengths - 1
+            cache.set_positions(positions[0], width)
+            self_mask = (torch.arange(width, device=device) < lengths[:, None]).long()
+            enc = torch.tensor(encoder_lengths, device=device).repeat_interleave(cross_rows)
+            cross_mask = (torch.arange(cache.cross_width, device=device) < enc[:, None]).long()
+            logits = model_calls.decoder_step(model, state.last_tokens(), self_mask, cross_mask, cache)
+            stats["steps"] += 1
+            stats["rows"] += logits.shape[0]
+            order, done = state.step(logits)
+            if order is not None:
+                cache.reorder(order)
+            if any(done):
+                for position, is_done in enumerate(done):
+                    if is_done:
+                        result = state.result(position)
+                        ready[result.index] = result
+                keep = [i for i, d in enumerate(done) if not d]
+                _retire(state, cache, encoder_lengths, keep, beams, cross_rows)
+            while next_out in ready:
+                yield ready.pop(next_out)
+                next_out += 1
+    run_continuous.last_stats = stats  # average rows per step, for the benchmark
+    while next_out in ready:
+        yield ready.pop(next_out)
+        next_out += 1
+
+
+def _as_ids(value: Any, index: int, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(value)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"input {index}: expected a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
+    return ids.to(device=device, dtype=torch.long)
+
+
+def _admit(
+    model: Any,
+    state: SearchState,
+    cache: SlotCache,
+    encoder_lengths: list[int],
+    newcomers: list[tuple[int, torch.Tensor]],
+    cross_rows: int,
+) -> None:
+    """Encode each newcomer alone, project its cross K/V, and append its rows to the batch."""
+    per_input = []
+    for _, ids in newcomers:
+        states = model_calls.encode(model, ids)
+        per_input.append(model_calls.project_cross(model, states, cross_rows))
+        encoder_lengths.append(ids.numel())
+    width = max(kv[0][0].shape[-2] for kv in per_input)
+    layers = []
+    for layer in range(len(per_input[0])):
+        keys = torch.cat([_pad(kv[layer][0], width) for kv in per_input])
+        values = torch.cat([_pad(kv[layer][1], width) for kv in per_input])
+        layers.append((keys, values))
+    cache.add(len(newcomers) * state.beams, layers)
+    state.add([index for index, _ in newcomers])
+
+
+def _pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - tensor.shape[-2]
+    if missing <= 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((*tensor.shape[:2], missing, tensor.shape[-1]))], 2)
+
+
+def _retire(
+    state: SearchState, cache: SlotCache, encoder_lengths: list[int], keep: list[int], beams: int, cross_rows: int
+) -> None:
+    """Drop the finished inputs' rows everywhere; narrow the cross K/V to the widest input left."""
+    device = state.device
+    inputs = torch.tensor(keep, dtype=torch.long, device=device)
+    hyp_rows = (inputs[:, None] * beams + torch.arange(beams, device=device)).reshape(-1)
+    cross = (inputs[:, None] * cross_rows + torch.arange(cross_rows, device=device)).reshape(-1)
+    state.remove(keep)
+    cache.select(hyp_rows, cross)
+    encoder_lengths[:] = [encoder_lengths[i] for i in keep]
+    cache.narrow_cross(max(encoder_lengths, default=0))
