@@ -105,7 +105,10 @@ class SlotCache:
             layer.select_rows(hyp_rows)
         for layer in self.cache.cross_attention_cache.layers:
             if layer.is_initialized:
-                layer.keys, layer.values = layer.keys.index_select(0, cross_rows), layer.values.index_select(0, cross_rows)
+                layer.keys, layer.values = (
+                    layer.keys.index_select(0, cross_rows),
+                    layer.values.index_select(0, cross_rows),
+                )
 
     def reorder(self, hyp_rows: torch.Tensor) -> None:
         """Beam reorder: only the self-attention rows move (the cross rows are the same for an input's beams)."""

@@ -40,9 +40,18 @@ def beams_can_share_cross_kv(model: Any) -> bool:
 
 
 def run_continuous(
-    model: Any, inputs: Iterable[Any], settings: Settings, batch_rows: int, share: bool | None = None
+    model: Any,
+    inputs: Iterable[Any],
+    settings: Settings,
+    batch_rows: int,
+    share: bool | None = None,
+    stats: dict[str, int] | None = None,
 ) -> Iterator[Finished]:
-    """Generate every input, yielding :class:`Finished` results in input order."""
+    """Generate every input, yielding :class:`Finished` results in input order.
+
+    ``share``: one cross K/V row per input (None: when fastgen's grouped attention is installed).
+    ``stats``: filled in place with ``steps`` (decoder forwards) and ``rows`` (rows summed over steps).
+    """
     device = model.device
     beams = settings.num_beams
     slots = max(1, batch_rows // beams)
@@ -55,37 +64,28 @@ def run_continuous(
     exhausted = False
     ready: dict[int, Finished] = {}
     next_out = 0
-    positions: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)]
-    stats = {"steps": 0, "rows": 0}
+    stats = {} if stats is None else stats
+    stats.update(steps=0, rows=0)
     report.note_ran(FEATURE, "continuous batching" + (" with shared cross-attention K/V" if cross_rows == 1 else ""))
-    with torch.inference_mode(), model_calls.row_positions(model, positions):
-        while True:
-            free = slots - len(state)
-            if free > 0 and not exhausted:
-                newcomers = []
-                for _ in range(free):
-                    item = next(queue, None)
-                    if item is None:
-                        exhausted = True
-                        break
-                    newcomers.append((item[0], _as_ids(item[1], item[0], device)))
-                if newcomers:
+    # Nothing stays switched on while the generator is suspended (the caller may run the model between
+    # two results): inference mode and the position hook are entered per step.
+    while True:
+        free = slots - len(state)
+        if free > 0 and not exhausted:
+            newcomers = []
+            for _ in range(free):
+                item = next(queue, None)
+                if item is None:
+                    exhausted = True
+                    break
+                newcomers.append((item[0], _as_ids(item[1], item[0], device)))
+            if newcomers:
+                with torch.inference_mode():
                     _admit(model, state, cache, encoder_lengths, newcomers, cross_rows)
-            if not len(state):
-                break
-            lengths = state.row_lengths()
-            width = max(state.host_lengths)
-            positions[0] = lengths - 1
-            cache.set_positions(positions[0], width)
-            self_mask = (torch.arange(width, device=device) < lengths[:, None]).long()
-            enc = torch.tensor(encoder_lengths, device=device).repeat_interleave(cross_rows)
-            cross_mask = (torch.arange(cache.cross_width, device=device) < enc[:, None]).long()
-            logits = model_calls.decoder_step(model, state.last_tokens(), self_mask, cross_mask, cache)
-            stats["steps"] += 1
-            stats["rows"] += logits.shape[0]
-            order, done = state.step(logits)
-            if order is not None:
-                cache.reorder(order)
+        if not len(state):
+            break
+        with torch.inference_mode():
+            done = _step(model, state, cache, encoder_lengths, cross_rows, stats)
             if any(done):
                 for position, is_done in enumerate(done):
                     if is_done:
@@ -93,13 +93,31 @@ def run_continuous(
                         ready[result.index] = result
                 keep = [i for i, d in enumerate(done) if not d]
                 _retire(state, cache, encoder_lengths, keep, beams, cross_rows)
-            while next_out in ready:
-                yield ready.pop(next_out)
-                next_out += 1
-    run_continuous.last_stats = stats  # average rows per step, for the benchmark
-    while next_out in ready:
-        yield ready.pop(next_out)
-        next_out += 1
+        while next_out in ready:
+            yield ready.pop(next_out)
+            next_out += 1
+
+
+def _step(
+    model: Any, state: SearchState, cache: SlotCache, encoder_lengths: list[int], cross_rows: int, stats: dict
+) -> list[bool]:
+    """One decoder step of every running row and the search step after it; which inputs are done."""
+    device = state.device
+    lengths = state.row_lengths()
+    width = max(state.host_lengths)
+    positions = lengths - 1
+    cache.set_positions(positions, width)
+    self_mask = (torch.arange(width, device=device) < lengths[:, None]).long()
+    enc = torch.tensor(encoder_lengths, device=device).repeat_interleave(cross_rows)
+    cross_mask = (torch.arange(cache.cross_width, device=device) < enc[:, None]).long()
+    with model_calls.row_positions(model, [positions]):
+        logits = model_calls.decoder_step(model, state.last_tokens(), self_mask, cross_mask, cache)
+    stats["steps"] += 1
+    stats["rows"] += logits.shape[0]
+    order, done = state.step(logits)
+    if order is not None:
+        cache.reorder(order)
+    return done
 
 
 def _as_ids(value: Any, index: int, device: torch.device) -> torch.Tensor:

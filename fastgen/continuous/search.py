@@ -111,9 +111,7 @@ class SearchState:
             self.seqs = torch.cat([self.seqs, tokens.view(k, m, length).clone()])
             self.beam_scores = torch.cat([self.beam_scores, torch.full((k, m), -1e9, device=self.device)])
             self.finished = torch.cat([self.finished, torch.zeros((k, m), dtype=torch.bool, device=self.device)])
-            self.fin_lengths = torch.cat(
-                [self.fin_lengths, torch.zeros((k, m), dtype=torch.long, device=self.device)]
-            )
+            self.fin_lengths = torch.cat([self.fin_lengths, torch.zeros((k, m), dtype=torch.long, device=self.device)])
             self.unsatisfied = torch.cat([self.unsatisfied, torch.ones((k, 1), dtype=torch.bool, device=self.device)])
 
     def remove(self, keep: list[int]) -> None:

@@ -8,7 +8,6 @@ the whole call to plain ``generate`` per static batch, with one warning naming i
 
 from __future__ import annotations
 
-import copy
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -52,13 +51,19 @@ _IGNORED_FIELDS = frozenset(
 #: sampling warpers: read only when ``do_sample=True``, which is refused on its own
 _SAMPLING_FIELDS = frozenset({"temperature", "top_k", "top_p", "typical_p", "min_p", "epsilon_cutoff", "eta_cutoff"})
 #: values of other fields that change nothing (so a config that spells them out is still served)
-_NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "num_beam_groups": 1, "diversity_penalty": 0.0}
+_NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+}
 
 
 def _is_default(key: str, value: Any, default: Any) -> bool:
     if value == default or (value in (None, False) and default in (None, False)):
         return True
     return key in _NEUTRAL and value == _NEUTRAL[key]
+
 
 # contract: transformers 5.24 renamed the forward kwarg ``past_key_values`` to ``cache`` (point this at
 # fastgen/optimizer/transformers/contract.py once it exists)
