@@ -23,6 +23,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
+#: slots added at a time when a row outgrows the buffer
+SLOT_CHUNK = 16
+
 
 class SlotLayer(DynamicLayer):
     """A self-attention layer whose ``update`` writes each row's new K/V at that row's own slot.
@@ -55,11 +58,12 @@ class SlotLayer(DynamicLayer):
         return self.keys[:, :, : self.width], self.values[:, :, : self.width]
 
     def reserve(self, width: int) -> None:
-        """Grow the slot buffers to at least ``width`` slots (doubling, so growth copies amortise)."""
+        """Grow the slot buffers to at least ``width`` slots, in chunks of :data:`SLOT_CHUNK` (a copy every
+        chunk of steps; the beam reorder copies the whole buffer every step, so it stays tight)."""
         capacity = self.keys.shape[-2]
         if capacity >= width:
             return
-        grow = max(width, 2 * capacity, 16) - capacity
+        grow = -(-width // SLOT_CHUNK) * SLOT_CHUNK - capacity
         self.keys = torch.cat([self.keys, self.keys.new_zeros((*self.keys.shape[:2], grow, self.keys.shape[-1]))], 2)
         self.values = torch.cat(
             [self.values, self.values.new_zeros((*self.values.shape[:2], grow, self.values.shape[-1]))], 2

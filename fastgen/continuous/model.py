@@ -31,18 +31,27 @@ def _cross_attention_modules(model: Any) -> list[torch.nn.Module]:
     return [layer.encoder_attn for layer in model.get_decoder().layers]
 
 
-def encode(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
-    """The encoder states ``(1, S, d)`` of one unpadded input (``generate`` passes an all-ones mask)."""
-    ids = input_ids.view(1, -1)
-    mask = torch.ones_like(ids)
-    return model.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True).last_hidden_state
+def encode(model: Any, inputs: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The newcomers' encoder states ``(B, S, d)`` in one call, right-padded, and their ``(B, S)`` mask.
+
+    Right padding keeps every real token at the position it has alone; the mask hides the padding
+    (and ``generate`` on one input passes an all-ones mask, which is what one unpadded row gets).
+    """
+    width = max(len(ids) for ids in inputs)
+    ids = torch.full((len(inputs), width), pad_token_id, dtype=torch.long, device=inputs[0].device)
+    mask = torch.zeros_like(ids)
+    for row, tokens in enumerate(inputs):
+        ids[row, : len(tokens)], mask[row, : len(tokens)] = tokens, 1
+    states = model.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True).last_hidden_state
+    return states, mask
 
 
 def project_cross(model: Any, states: torch.Tensor, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every decoder layer's cross-attention K/V of ``states`` ``(1, S, d)``, as ``(rows, H, S, D)`` each.
+    """Every decoder layer's cross-attention K/V of ``states`` ``(B, S, d)``, as ``(B * rows, H, S, D)`` each.
 
     The projection is the one the attention module runs on ``key_value_states`` (``k_proj``/``v_proj``,
-    viewed per head); ``rows > 1`` repeats it for every hypothesis when the beams cannot share it.
+    viewed per head); ``rows > 1`` repeats each input's K/V for its hypotheses when the beams cannot
+    share them.
     """
     out = []
     for module in _cross_attention_modules(model):
@@ -50,7 +59,7 @@ def project_cross(model: Any, states: torch.Tensor, rows: int) -> list[tuple[tor
         keys = module.k_proj(states).view(shape).transpose(1, 2)
         values = module.v_proj(states).view(shape).transpose(1, 2)
         if rows > 1:
-            keys, values = keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1)
+            keys, values = keys.repeat_interleave(rows, 0), values.repeat_interleave(rows, 0)
         out.append((keys.contiguous(), values.contiguous()))
     return out
 

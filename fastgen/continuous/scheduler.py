@@ -4,9 +4,9 @@ A static batch (``generate`` on length-sorted chunks, fastgen's shrinking beam l
 thinner as its inputs finish and waits for its longest one; on a CPU a decoder step costs about the
 same for 4 rows as for 64 (it streams the weights), so every thinned step wastes most of its cost.
 Here, as soon as an input is done its rows leave and the next inputs of the queue take the free slots:
-each newcomer is encoded (alone, so its encoder states are exactly those of ``generate`` on it
-alone), its cross-attention K/V are projected once and padded to the batch's widest, and its first
-decoder step joins the running step. Results come out in input order.
+the newcomers admitted together are encoded in one call (right-padded), their cross-attention K/V
+are projected once and padded to the batch's widest, and their first decoder step joins the running
+step. Results come out in input order.
 
 Per input, every row does the arithmetic of ``generate`` on that input alone (module docs of
 :mod:`.cache`, :mod:`.search`); the tests check tokens exactly and scores within a few ulps of the
@@ -137,27 +137,19 @@ def _admit(
     newcomers: list[tuple[int, torch.Tensor]],
     cross_rows: int,
 ) -> None:
-    """Encode each newcomer alone, project its cross K/V, and append its rows to the batch."""
-    per_input = []
-    for _, ids in newcomers:
-        states = model_calls.encode(model, ids)
-        per_input.append(model_calls.project_cross(model, states, cross_rows))
-        encoder_lengths.append(ids.numel())
-    width = max(kv[0][0].shape[-2] for kv in per_input)
-    layers = []
-    for layer in range(len(per_input[0])):
-        keys = torch.cat([_pad(kv[layer][0], width) for kv in per_input])
-        values = torch.cat([_pad(kv[layer][1], width) for kv in per_input])
-        layers.append((keys, values))
-    cache.add(len(newcomers) * state.beams, layers)
+    """Encode the newcomers (one call), project their cross K/V, and append their rows to the batch."""
+    ids = [tokens for _, tokens in newcomers]
+    states, _ = model_calls.encode(model, ids, _pad_id(model))
+    cache.add(len(newcomers) * state.beams, model_calls.project_cross(model, states, cross_rows))
+    encoder_lengths.extend(len(tokens) for tokens in ids)
     state.add([index for index, _ in newcomers])
 
 
-def _pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - tensor.shape[-2]
-    if missing <= 0:
-        return tensor
-    return torch.cat([tensor, tensor.new_zeros((*tensor.shape[:2], missing, tensor.shape[-1]))], 2)
+def _pad_id(model: Any) -> int:
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = model.config.pad_token_id
+    return 0 if pad is None else int(pad)
 
 
 def _retire(
