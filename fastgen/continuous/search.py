@@ -35,36 +35,53 @@ class Finished:
     scores: torch.Tensor | None  # (num_return_sequences,) beam search's sequences_scores; None for greedy
 
 
-def apply_processors(settings: Settings, tokens: torch.Tensor, lengths: torch.Tensor, scores: torch.Tensor) -> None:
+def apply_processors(
+    settings: Settings,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    scores: torch.Tensor,
+    host_lengths: list[int],
+    group: int,
+) -> None:
     """Upstream's supported processors in upstream's order, in place, each under its per-row length condition.
 
-    ``tokens`` ``(N, L)`` left-aligned, ``lengths`` ``(N,)`` valid tokens per row, ``scores`` ``(N, V)``.
+    ``tokens`` ``(N, L)`` left-aligned, ``lengths`` ``(N,)`` valid tokens per row, ``scores`` ``(N, V)``;
+    ``host_lengths`` the same lengths per input (``group`` rows each) on the host, so that the bans and
+    forced steps touch only the rows they apply to, and no N x V pass runs on steps where none does.
     """
     eos = settings.eos_token_ids
     if settings.no_repeat_ngram_size > 0:
         ban_repeated_ngrams(tokens, scores, settings.no_repeat_ngram_size, lengths)
+
+    def rows(condition) -> torch.Tensor | None:
+        chosen = [i * group + b for i, n in enumerate(host_lengths) if condition(n) for b in range(group)]
+        return torch.tensor(chosen, dtype=torch.long, device=scores.device) if chosen else None
+
     if eos and settings.min_length > 0:
-        _ban_rows(scores, lengths < settings.min_length, eos)
+        _ban(scores, rows(lambda n: n < settings.min_length), eos)
     if eos and settings.min_new_tokens > 0:
-        _ban_rows(scores, lengths - 1 < settings.min_new_tokens, eos)
+        _ban(scores, rows(lambda n: n - 1 < settings.min_new_tokens), eos)
     if settings.forced_bos_token_id is not None:
-        _force_rows(scores, lengths == 1, (settings.forced_bos_token_id,))
+        _force(scores, rows(lambda n: n == 1), (settings.forced_bos_token_id,))
     if settings.forced_eos_token_ids:
-        _force_rows(scores, lengths == settings.max_length - 1, settings.forced_eos_token_ids)
+        _force(scores, rows(lambda n: n == settings.max_length - 1), settings.forced_eos_token_ids)
 
 
-def _ban_rows(scores: torch.Tensor, rows: torch.Tensor, ids: tuple[int, ...]) -> None:
-    vocab = scores.shape[1]
-    cols = torch.tensor([i for i in ids if 0 <= i < vocab], dtype=torch.long, device=scores.device)
-    if cols.numel():
-        block = scores[:, cols]
-        scores[:, cols] = block.masked_fill(rows[:, None], NEG_INF)
+def _ban(scores: torch.Tensor, rows: torch.Tensor | None, ids: tuple[int, ...]) -> None:
+    """``-inf`` at ``ids`` in ``rows`` (ids outside the vocabulary are never banned, as upstream's ``isin``)."""
+    cols = [i for i in ids if 0 <= i < scores.shape[1]]
+    if rows is not None and cols:
+        cols_t = torch.tensor(cols, dtype=torch.long, device=scores.device)
+        scores[rows[:, None], cols_t[None, :]] = NEG_INF
 
 
-def _force_rows(scores: torch.Tensor, rows: torch.Tensor, ids: tuple[int, ...]) -> None:
-    forced = torch.full_like(scores, NEG_INF)
-    forced[:, list(ids)] = 0
-    scores.copy_(torch.where(rows[:, None], forced, scores))
+def _force(scores: torch.Tensor, rows: torch.Tensor | None, ids: tuple[int, ...]) -> None:
+    """Upstream's forced step in ``rows``: ``-inf`` everywhere, 0 at ``ids``."""
+    if rows is None:
+        return
+    scores.index_fill_(0, rows, NEG_INF)
+    cols = torch.tensor(ids, dtype=torch.long, device=scores.device)
+    scores[rows[:, None], cols[None, :]] = 0
 
 
 class SearchState:
@@ -145,7 +162,7 @@ class SearchState:
 
     def _greedy_step(self, logits: torch.Tensor) -> list[bool]:
         lengths = self.lengths
-        apply_processors(self.s, self.tokens, lengths, logits)
+        apply_processors(self.s, self.tokens, lengths, logits, self.host_lengths, 1)
         next_tokens = torch.argmax(logits, dim=-1)
         rows = torch.arange(len(self), device=self.device)
         self.tokens[rows, lengths] = next_tokens
@@ -160,7 +177,7 @@ class SearchState:
         s, m, n = self.s, self.beams, len(self)
         lengths = self.lengths  # decoder length before this token (upstream's cur_len)
         log_probs = torch.log_softmax(logits, dim=-1)
-        apply_processors(s, self.tokens, self.row_lengths(), log_probs)
+        apply_processors(s, self.tokens, self.row_lengths(), log_probs, self.host_lengths, m)
         top = log_probs_top_k(log_probs, self.running_scores, self.keep)
         topk_log_probs = top.scores
         base = torch.arange(n, device=self.device)[:, None] * m
