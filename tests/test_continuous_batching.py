@@ -13,6 +13,8 @@ batch is small, so inputs leave and newcomers join throughout the run.
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +23,11 @@ import fastgen
 from fastgen.continuous import generate_many
 from fastgen.continuous import model as model_calls
 from fastgen.continuous.scheduler import run_continuous
+from fastgen.continuous.settings import FAMILIES as SERVED_FAMILIES
 from fastgen.continuous.settings import resolve
 from tests import harness
 
-FAMILIES = ("bart", "mbart", "marian", "pegasus")
+FAMILIES = SERVED_FAMILIES
 #: EOS gain per family: inputs then end anywhere between 1 and the length limit
 EOS_GAIN = {"bart": 2.0, "mbart": 2.0, "marian": 1.5, "pegasus": 1.5}
 CASES = {
@@ -196,3 +199,10 @@ def test_bad_input_is_a_clear_error(models):
         list(generate_many(model, [[5, 6], []], num_beams=2, max_new_tokens=4))
     with pytest.raises(ValueError, match="batch_rows"):
         generate_many(model, [[5, 6]], batch_rows=0)
+
+
+def test_readme_lists_the_served_families():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    match = re.search(r"<!-- families:continuous -->(.*?)<!-- /families -->", readme)
+    assert match, "README has no continuous-batching family list"
+    assert {name.strip() for name in match.group(1).split(",")} == set(SERVED_FAMILIES)
