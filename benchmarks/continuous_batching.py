@@ -161,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--table", type=Path, nargs="+", default=None, help="print the README table of these results")
     args = parser.parse_args(argv)
+    if args.table:
+        print(readme_table(args.table))
+        return 0
 
     model = build(args.shape, args.eos_gain, args.seed)
     inputs = make_inputs(args.inputs, args.min_input, args.max_input, args.seed + 1)
@@ -236,6 +240,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is not None:
         args.output.write_text(text + "\n")
     return 0
+
+
+def readme_table(paths: list[Path]) -> str:
+    """The README's table from result files (``python -m benchmarks.continuous_batching --table A.json ...``)."""
+    lines = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        config, env, median = data["config"], data["environment"], data["median"]
+        load = ", ".join(f"{value:.1f}" for value in data["load_1min"])
+        lines.append(
+            f"`{data['command']}` ({env['device']}, {env.get('cpu_count')} cores, {env['torch_threads']} torch "
+            f"thread, 1-min load {load}; commit {str(env.get('git_commit'))[:7]}; output lengths "
+            f"{data['output_lengths']['min']}-{data['output_lengths']['max']} tokens, mean "
+            f"{data['output_lengths']['mean']:.1f}):\n"
+        )
+        lines.append(
+            "| variant | wall s | samples/s | tokens/s | CPU s | tokens/CPU s | steps | rows/step | equal outputs |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for name in VARIANTS:
+            if name not in median:
+                continue
+            r = median[name]
+            lines.append(
+                f"| {name} | {r['seconds']:.0f} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
+                f"{r.get('cpu_seconds', float('nan')):.0f} | {r.get('tokens_per_cpu_s', float('nan')):.1f} | "
+                f"{r['decoder_steps']:.0f} | {r['avg_rows_per_step']:.1f} | "
+                f"{r.get('outputs_equal_to_continuous', '-')}/{config['inputs']} |"
+            )
+        ratios = [
+            f"{key.replace('_', ' ')}: {value:.2f}x"
+            for key, value in median.items()
+            if key.startswith(("speedup", "cpu_"))
+        ]
+        lines.append("\n" + "; ".join(ratios) + "\n")
+    return "\n".join(lines)
 
 
 def _histogram(values: list[int], width: int) -> dict[str, int]:

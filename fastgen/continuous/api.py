@@ -89,7 +89,7 @@ def _generate_chunk(model, chunk, pad, left, returns, return_scores, kwargs) -> 
     call = dict(kwargs)
     if return_scores:
         call.update(return_dict_in_generate=True, output_scores=True)
-    with torch.inference_mode():
+    with torch.no_grad():
         out = model.generate(input_ids=batch.to(model.device), attention_mask=mask.to(model.device), **call)
     sequences = out.sequences if return_scores else out
     scores = getattr(out, "sequences_scores", None) if return_scores else None

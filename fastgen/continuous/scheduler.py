@@ -68,7 +68,8 @@ def run_continuous(
     stats.update(steps=0, rows=0)
     report.note_ran(FEATURE, "continuous batching" + (" with shared cross-attention K/V" if cross_rows == 1 else ""))
     # Nothing stays switched on while the generator is suspended (the caller may run the model between
-    # two results): inference mode and the position hook are entered per step.
+    # two results): no_grad and the position hook are entered per step. no_grad, not inference_mode:
+    # results are ordinary tensors, as generate returns them.
     while True:
         free = slots - len(state)
         if free > 0 and not exhausted:
@@ -80,11 +81,11 @@ def run_continuous(
                     break
                 newcomers.append((item[0], _as_ids(item[1], item[0], device)))
             if newcomers:
-                with torch.inference_mode():
+                with torch.no_grad():
                     _admit(model, state, cache, encoder_lengths, newcomers, cross_rows)
         if not len(state):
             break
-        with torch.inference_mode():
+        with torch.no_grad():
             done = _step(model, state, cache, encoder_lengths, cross_rows, stats)
             if any(done):
                 for position, is_done in enumerate(done):
