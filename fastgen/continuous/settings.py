@@ -135,6 +135,7 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
     extra = sorted(k for k, v in model_kwargs.items() if v is not None)
     if extra:
         return None, f"argument {extra[0]!r}"
+    # contract: GenerationConfig._get_default_generation_params (the values generate fills in for None)
     defaults = GenerationConfig()
     defaults.update(**GenerationConfig._get_default_generation_params())
     defaults = defaults.to_dict()
