@@ -26,6 +26,7 @@ __all__ = [
     "active",
     "disable",
     "enable",
+    "generate_many",
     "is_enabled",
     "known_features",
     "patched",
@@ -33,6 +34,17 @@ __all__ = [
     "status",
     "unpatched",
 ]
+
+
+def generate_many(model, inputs, **kwargs):
+    """Continuous batching over many inputs, results in input order (see :mod:`fastgen.continuous`).
+
+    Imported on first use: ``import fastgen`` must not import Transformers for fairseq-only users.
+    """
+    from fastgen.continuous import generate_many as _generate_many
+
+    return _generate_many(model, inputs, **kwargs)
+
 
 if os.environ.get("FASTGEN_DISABLE", "").strip().lower() not in {"1", "true", "yes"}:
     enable()

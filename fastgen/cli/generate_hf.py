@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--reference", type=Path, default=None, help="references, one per line (utf-8-sig): print BLEU/ROUGE"
     )
     parser.add_argument("--no-progress-bar", action="store_true")
+    parser.add_argument(
+        "--static-batches",
+        action="store_true",
+        help="generate each length-sorted batch on its own (default: continuous batching where it serves the run)",
+    )
     add_pipeline_args(parser)
     return parser
 
@@ -278,6 +283,7 @@ def _run(
         "dtype": args.dtype,
         "max_input_tokens": limit,
         "skip_invalid": args.skip_invalid,
+        "static_batches": args.static_batches,
         "world": world.size,
         "rank": world.rank,
     }
@@ -310,9 +316,14 @@ def _run(
     pad = tokenizer.pad_token_id
     start_time = time.perf_counter()
     with AsyncPipeline(offload, decode_batch, commit, executor=executor, serial=args.no_pipeline) as pipeline:
+        from fastgen.cli import continuous_hf  # imports Transformers: not at module import (--help stays fast)
+
+        continuous = None if args.static_batches else continuous_hf.start(model, lines, mine, kwargs, args.batch_size)
         for batch in mine:
             new_tokens = None
-            if batch.indices:
+            if continuous is not None:
+                new_tokens = continuous.next_batch(batch, pad)
+            elif batch.indices:
                 enc = tokenizer.pad({"input_ids": [lines[i].ids for i in batch.indices]}, return_tensors="pt")
                 enc = {k: v.to(device) for k, v in enc.items()}
                 if args.seed is not None:

@@ -1,0 +1,58 @@
+"""``fastgen-generate-hf`` on continuous batching (the default where it serves the run; ``--static-batches`` opts out).
+
+The plan (windows, length-sorted batches, journal units, data-parallel split) is unchanged: this
+module only replaces *how* a batch's outputs are computed. All of this rank's remaining inputs are fed,
+batch after batch, into one :func:`fastgen.continuous.generate_many` stream of ``batch_size x
+num_beams`` decoder rows, so the batch never drains between batches or windows; results come back
+in feed order and are handed to the pipeline as the plan's batches (padded like ``generate``'s
+output), so the journal, ``--resume``, the output order and the progress bar see what they saw before.
+
+Runs that continuous batching does not serve (decoder-only models, sampling, other families or
+arguments: see :func:`fastgen.continuous.settings.resolve`) keep the static batches, with one log line
+saying why; sampling in particular keeps its per-batch seeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fastgen.cli.hf_inputs import Batch, InputLine
+from fastgen.continuous import generate_many
+from fastgen.continuous.settings import resolve
+
+logger = logging.getLogger("fastgen.cli.generate_hf")
+
+
+class ContinuousBatches:
+    """The outputs of the planned batches, computed by one continuous-batching stream."""
+
+    def __init__(self, model: Any, lines: Sequence[InputLine], batches: Sequence[Batch], kwargs: dict, rows: int):
+        feed = (lines[i].ids for batch in batches for i in batch.indices)
+        self._results = generate_many(model, feed, batch_rows=rows, **kwargs)
+
+    def next_batch(self, batch: Batch, pad: int) -> torch.Tensor | None:
+        """The next batch of the plan (batches must be asked for in the order given): ``(B, L)`` tokens."""
+        if not batch.indices:
+            return None
+        rows = [next(self._results)[0] for _ in batch.indices]
+        out = torch.full((len(rows), max(len(r) for r in rows)), pad, dtype=torch.long, device=rows[0].device)
+        for index, row in enumerate(rows):
+            out[index, : len(row)] = row
+        return out
+
+
+def start(
+    model: Any, lines: Sequence[InputLine], batches: Sequence[Batch], kwargs: dict, batch_size: int
+) -> ContinuousBatches | None:
+    """A continuous stream for these batches, or None (static batches) when it cannot serve the run."""
+    settings, reason = resolve(model, kwargs)
+    if reason is not None:
+        logger.info("static batches: continuous batching does not serve this run (%s)", reason)
+        return None
+    rows = batch_size * settings.num_beams
+    logger.info("continuous batching: %d decoder rows (%d inputs x %d beams)", rows, batch_size, settings.num_beams)
+    return ContinuousBatches(model, lines, batches, kwargs, rows)

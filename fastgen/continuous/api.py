@@ -1,0 +1,99 @@
+"""``fastgen.generate_many``: many inputs through one model, results streamed in input order.
+
+Named after ``generate`` (it takes the same keyword arguments) with ``batch_rows`` for the one knob
+``generate`` does not have: how many decoder rows (inputs x beams) run per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from fastgen.continuous.scheduler import FEATURE, run_continuous
+from fastgen.continuous.search import Finished
+from fastgen.continuous.settings import resolve
+from fastgen.optimizer.registry import fallback
+
+DEFAULT_BATCH_ROWS = 64
+
+
+def generate_many(
+    model: Any,
+    inputs: Iterable[Any],
+    *,
+    batch_rows: int = DEFAULT_BATCH_ROWS,
+    return_scores: bool = False,
+    **generate_kwargs: Any,
+) -> Iterator[Any]:
+    """Generate for every input (a 1-D sequence of token ids each), yielding results in input order.
+
+    Each result is what ``model.generate(input_ids=ids[None], **generate_kwargs)`` returns for that
+    input alone: a ``(num_return_sequences, length)`` tensor of token ids (with ``return_scores=True``
+    a pair ``(sequences, sequences_scores)``; scores are None for greedy search). Rows are refilled as
+    inputs finish (continuous batching), so the batch stays at ``batch_rows`` decoder rows while there
+    are inputs left.
+
+    Served: encoder-decoder models of :data:`fastgen.continuous.settings.FAMILIES`, greedy and beam
+    search with length penalty, early stopping, ``num_return_sequences``, ``no_repeat_ngram_size``,
+    min/max (new) tokens and forced BOS/EOS. Any other argument or model falls back, with one warning
+    naming it, to plain ``generate`` over consecutive static batches of ``batch_rows // num_beams``
+    inputs (right-padded); each result is then that input's rows of its batch's output.
+    """
+    if not isinstance(batch_rows, int) or batch_rows < 1:
+        raise ValueError(f"batch_rows must be a positive integer, got {batch_rows!r}")
+    settings, reason = resolve(model, generate_kwargs)
+    if reason is not None:
+        fallback(FEATURE, f"{reason}: plain generate per static batch")
+        return _static_batches(model, inputs, batch_rows, return_scores, generate_kwargs)
+    return _results(run_continuous(model, inputs, settings, batch_rows), return_scores)
+
+
+def _results(finished: Iterator[Finished], return_scores: bool) -> Iterator[Any]:
+    for item in finished:
+        yield (item.sequences, item.scores) if return_scores else item.sequences
+
+
+def _static_batches(
+    model: Any, inputs: Iterable[Any], batch_rows: int, return_scores: bool, kwargs: dict[str, Any]
+) -> Iterator[Any]:
+    """The fallback: ``generate`` on consecutive chunks, padded as a tokenizer pads for the model."""
+    beams = max(int(kwargs.get("num_beams") or model.generation_config.num_beams or 1), 1)
+    size = max(1, batch_rows // beams)
+    returns = int(kwargs.get("num_return_sequences") or model.generation_config.num_return_sequences or 1)
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    left = not model.config.is_encoder_decoder
+    chunk: list[torch.Tensor] = []
+    for index, value in enumerate(inputs):
+        ids = torch.as_tensor(value).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError(f"input {index}: empty")
+        chunk.append(ids)
+        if len(chunk) == size:
+            yield from _generate_chunk(model, chunk, pad, left, returns, return_scores, kwargs)
+            chunk = []
+    if chunk:
+        yield from _generate_chunk(model, chunk, pad, left, returns, return_scores, kwargs)
+
+
+def _generate_chunk(model, chunk, pad, left, returns, return_scores, kwargs) -> Iterator[Any]:
+    width = max(len(ids) for ids in chunk)
+    batch = torch.full((len(chunk), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(chunk), width), dtype=torch.long)
+    for row, ids in enumerate(chunk):
+        span = slice(width - len(ids), width) if left else slice(0, len(ids))
+        batch[row, span], mask[row, span] = ids, 1
+    call = dict(kwargs)
+    if return_scores:
+        call.update(return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        out = model.generate(input_ids=batch.to(model.device), attention_mask=mask.to(model.device), **call)
+    sequences = out.sequences if return_scores else out
+    scores = getattr(out, "sequences_scores", None) if return_scores else None
+    for row in range(len(chunk)):
+        rows = slice(row * returns, (row + 1) * returns)
+        seq = sequences[rows]
+        yield (seq, scores[rows] if scores is not None else None) if return_scores else seq

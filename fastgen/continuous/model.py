@@ -1,0 +1,111 @@
+"""The three model calls of continuous batching: encode a newcomer, project its cross K/V, one decoder step.
+
+Each newcomer is encoded alone (no padding: its encoder states are those of ``generate`` on it alone;
+on a CPU the encoder of one input is already a matrix of its length, so batching newcomers would buy
+little there) and its cross-attention K/V are projected once, as the model's own cross-attention
+modules project them. The decoder step then runs every running row at once through the model's own
+forward, with:
+
+- the :class:`~fastgen.continuous.cache.SlotCache`, whose self-attention layers write each row's K/V at
+  its own position;
+- a 2-D decoder mask that hides the slots past each row's length, and the encoder mask that hides the
+  cross K/V padding;
+- a forward hook on the decoder's ``embed_positions`` that hands every row the embedding of its own
+  position (the stock module embeds one position, the cache length, for all rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers.modeling_outputs import BaseModelOutput
+
+from fastgen.continuous.cache import SlotCache
+from fastgen.continuous.settings import cache_kwarg
+
+
+def _cross_attention_modules(model: Any) -> list[torch.nn.Module]:
+    return [layer.encoder_attn for layer in model.get_decoder().layers]
+
+
+def encode(model: Any, inputs: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The newcomers' encoder states ``(B, S, d)`` in one call, right-padded, and their ``(B, S)`` mask.
+
+    Right padding keeps every real token at the position it has alone; the mask hides the padding
+    (and ``generate`` on one input passes an all-ones mask, which is what one unpadded row gets).
+    """
+    width = max(len(ids) for ids in inputs)
+    ids = torch.full((len(inputs), width), pad_token_id, dtype=torch.long, device=inputs[0].device)
+    mask = torch.zeros_like(ids)
+    for row, tokens in enumerate(inputs):
+        ids[row, : len(tokens)], mask[row, : len(tokens)] = tokens, 1
+    states = model.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True).last_hidden_state
+    return states, mask
+
+
+def project_cross(model: Any, states: torch.Tensor, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every decoder layer's cross-attention K/V of ``states`` ``(B, S, d)``, as ``(B * rows, H, S, D)`` each.
+
+    The projection is the one the attention module runs on ``key_value_states`` (``k_proj``/``v_proj``,
+    viewed per head); ``rows > 1`` repeats each input's K/V for its hypotheses when the beams cannot
+    share them.
+    """
+    out = []
+    for module in _cross_attention_modules(model):
+        shape = (*states.shape[:-1], -1, module.head_dim)
+        keys = module.k_proj(states).view(shape).transpose(1, 2)
+        values = module.v_proj(states).view(shape).transpose(1, 2)
+        if rows > 1:
+            keys, values = keys.repeat_interleave(rows, 0), values.repeat_interleave(rows, 0)
+        out.append((keys.contiguous(), values.contiguous()))
+    return out
+
+
+@contextlib.contextmanager
+def row_positions(model: Any, positions: list[torch.Tensor]) -> Iterator[None]:
+    """While inside, the decoder's position embedding returns ``embed(positions[0][:, None])`` per row.
+
+    ``positions`` is a one-element list the caller refills before each forward (one hook per loop).
+    """
+    module = model.get_decoder().embed_positions
+    offset = getattr(module, "offset", 0)
+
+    def hook(mod: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return torch.nn.Embedding.forward(mod, positions[0][:, None] + offset)
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def decoder_step(
+    model: Any,
+    tokens: torch.Tensor,
+    self_mask: torch.Tensor,
+    cross_mask: torch.Tensor,
+    cache: SlotCache,
+) -> torch.Tensor:
+    """Logits ``(N, V)`` (float32) of one token per row. ``cross_mask`` is ``(R, S)``, R the cross rows."""
+    rows, width = cross_mask.shape
+    hidden = model.config.d_model
+    # Only its shape is read (the cross K/V come from the cache, marked updated): a stride-0 view.
+    states = cache_states(tokens.device, rows, width, hidden, model.dtype)
+    outputs = model(
+        encoder_outputs=BaseModelOutput(last_hidden_state=states),
+        attention_mask=cross_mask,
+        decoder_input_ids=tokens.view(-1, 1),
+        decoder_attention_mask=self_mask,
+        use_cache=True,
+        return_dict=True,
+        **{cache_kwarg(model): cache.cache},
+    )
+    return outputs.logits[:, -1, :].to(torch.float32)
+
+
+def cache_states(device: torch.device, rows: int, width: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros((), device=device, dtype=dtype).expand(rows, width, hidden)

@@ -1,0 +1,167 @@
+"""The continuous-batching scheduler: keep ``batch_rows`` decoder rows busy while a list of inputs is generated.
+
+A static batch (``generate`` on length-sorted chunks, fastgen's shrinking beam loop included) gets
+thinner as its inputs finish and waits for its longest one; on a CPU a decoder step costs about the
+same for 4 rows as for 64 (it streams the weights), so every thinned step wastes most of its cost.
+Here, as soon as an input is done its rows leave and the next inputs of the queue take the free slots:
+the newcomers admitted together are encoded in one call (right-padded), their cross-attention K/V
+are projected once and padded to the batch's widest, and their first decoder step joins the running
+step. Results come out in input order.
+
+Per input, every row does the arithmetic of ``generate`` on that input alone (module docs of
+:mod:`.cache`, :mod:`.search`); the tests check tokens exactly and scores within a few ulps of the
+step's logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from fastgen.continuous import model as model_calls
+from fastgen.continuous.cache import SlotCache
+from fastgen.continuous.search import Finished, SearchState
+from fastgen.continuous.settings import Settings
+from fastgen.optimizer import registry, report
+
+FEATURE = "continuous"
+_GET_INTERFACE = "transformers.modeling_utils:AttentionInterface.get_interface"
+
+
+def beams_can_share_cross_kv(model: Any) -> bool:
+    """Whether fastgen's grouped attention (feature ``dedup``) serves one cross K/V row per input now."""
+    from fastgen.models.encoder_decoder import shared_cross_attention_problem
+
+    if not registry.active() or shared_cross_attention_problem(model) is not None:
+        return False
+    return any(row.target == _GET_INTERFACE and row.state == "applied" for row in registry.status())
+
+
+def run_continuous(
+    model: Any,
+    inputs: Iterable[Any],
+    settings: Settings,
+    batch_rows: int,
+    share: bool | None = None,
+    stats: dict[str, int] | None = None,
+) -> Iterator[Finished]:
+    """Generate every input, yielding :class:`Finished` results in input order.
+
+    ``share``: one cross K/V row per input (None: when fastgen's grouped attention is installed).
+    ``stats``: filled in place with ``steps`` (decoder forwards) and ``rows`` (rows summed over steps).
+    """
+    device = model.device
+    beams = settings.num_beams
+    slots = max(1, batch_rows // beams)
+    share = beams_can_share_cross_kv(model) if share is None else share
+    cross_rows = 1 if share or beams == 1 else beams  # cross K/V rows per input
+    state = SearchState(settings, device)
+    cache = SlotCache(len(model.get_decoder().layers))
+    encoder_lengths: list[int] = []  # per running input
+    queue = enumerate(inputs)
+    exhausted = False
+    ready: dict[int, Finished] = {}
+    next_out = 0
+    stats = {} if stats is None else stats
+    stats.update(steps=0, rows=0)
+    report.note_ran(FEATURE, "continuous batching" + (" with shared cross-attention K/V" if cross_rows == 1 else ""))
+    # Nothing stays switched on while the generator is suspended (the caller may run the model between
+    # two results): no_grad and the position hook are entered per step. no_grad, not inference_mode:
+    # results are ordinary tensors, as generate returns them.
+    while True:
+        free = slots - len(state)
+        if free > 0 and not exhausted:
+            newcomers = []
+            for _ in range(free):
+                item = next(queue, None)
+                if item is None:
+                    exhausted = True
+                    break
+                newcomers.append((item[0], _as_ids(item[1], item[0], device)))
+            if newcomers:
+                with torch.no_grad():
+                    _admit(model, state, cache, encoder_lengths, newcomers, cross_rows)
+        if not len(state):
+            break
+        with torch.no_grad():
+            done = _step(model, state, cache, encoder_lengths, cross_rows, stats)
+            if any(done):
+                for position, is_done in enumerate(done):
+                    if is_done:
+                        result = state.result(position)
+                        ready[result.index] = result
+                keep = [i for i, d in enumerate(done) if not d]
+                _retire(state, cache, encoder_lengths, keep, beams, cross_rows)
+        while next_out in ready:
+            yield ready.pop(next_out)
+            next_out += 1
+
+
+def _step(
+    model: Any, state: SearchState, cache: SlotCache, encoder_lengths: list[int], cross_rows: int, stats: dict
+) -> list[bool]:
+    """One decoder step of every running row and the search step after it; which inputs are done."""
+    device = state.device
+    lengths = state.row_lengths()
+    width = max(state.host_lengths)
+    positions = lengths - 1
+    cache.set_positions(positions, width)
+    self_mask = (torch.arange(width, device=device) < lengths[:, None]).long()
+    enc = torch.tensor(encoder_lengths, device=device).repeat_interleave(cross_rows)
+    cross_mask = (torch.arange(cache.cross_width, device=device) < enc[:, None]).long()
+    with model_calls.row_positions(model, [positions]):
+        logits = model_calls.decoder_step(model, state.last_tokens(), self_mask, cross_mask, cache)
+    stats["steps"] += 1
+    stats["rows"] += logits.shape[0]
+    order, done = state.step(logits)
+    if order is not None:
+        cache.reorder(order)
+    return done
+
+
+def _as_ids(value: Any, index: int, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(value)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"input {index}: expected a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
+    return ids.to(device=device, dtype=torch.long)
+
+
+def _admit(
+    model: Any,
+    state: SearchState,
+    cache: SlotCache,
+    encoder_lengths: list[int],
+    newcomers: list[tuple[int, torch.Tensor]],
+    cross_rows: int,
+) -> None:
+    """Encode the newcomers (one call), project their cross K/V, and append their rows to the batch."""
+    ids = [tokens for _, tokens in newcomers]
+    states, _ = model_calls.encode(model, ids, _pad_id(model))
+    cache.add(len(newcomers) * state.beams, model_calls.project_cross(model, states, cross_rows))
+    encoder_lengths.extend(len(tokens) for tokens in ids)
+    state.add([index for index, _ in newcomers])
+
+
+def _pad_id(model: Any) -> int:
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = model.config.pad_token_id
+    return 0 if pad is None else int(pad)
+
+
+def _retire(
+    state: SearchState, cache: SlotCache, encoder_lengths: list[int], keep: list[int], beams: int, cross_rows: int
+) -> None:
+    """Drop the finished inputs' rows everywhere; narrow the cross K/V to the widest input left."""
+    device = state.device
+    inputs = torch.tensor(keep, dtype=torch.long, device=device)
+    hyp_rows = (inputs[:, None] * beams + torch.arange(beams, device=device)).reshape(-1)
+    cross = (inputs[:, None] * cross_rows + torch.arange(cross_rows, device=device)).reshape(-1)
+    state.remove(keep)
+    cache.select(hyp_rows, cross)
+    encoder_lengths[:] = [encoder_lengths[i] for i in keep]
+    cache.narrow_cross(max(encoder_lengths, default=0))

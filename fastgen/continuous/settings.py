@@ -1,0 +1,181 @@
+"""Which ``generate`` calls continuous batching serves, and the settings it reads from them.
+
+Admission is by allow-list (DESIGN §8): the model's ``generation_config`` updated with the call's
+kwargs is compared field by field against ``GenerationConfig()``'s defaults; a field that differs and
+is not in :data:`SUPPORTED_FIELDS` (sampling, constraints, custom processors, output dicts, ...) sends
+the whole call to plain ``generate`` per static batch, with one warning naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+#: ``config.model_type`` -> the decoder's learned/sinusoidal position module (``embed_positions``) is
+#: indexed by the row's position, the cross-attention module is ``layers[i].encoder_attn`` with
+#: ``k_proj``/``v_proj``: what :mod:`fastgen.continuous.model` needs to give each row its own position
+#: and to project a newcomer's cross K/V. T5 (relative position bias from the common query position)
+#: and M2M-100 (positions from the token ids) are not in it yet.
+FAMILIES = ("bart", "mbart", "marian", "pegasus")
+
+#: generation settings the scheduler implements (upstream's semantics per input)
+SUPPORTED_FIELDS = frozenset(
+    {
+        "num_beams",
+        "num_return_sequences",
+        "max_length",
+        "max_new_tokens",
+        "min_length",
+        "min_new_tokens",
+        "length_penalty",
+        "early_stopping",
+        "no_repeat_ngram_size",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "bos_token_id",
+        "decoder_start_token_id",
+        "use_cache",
+        "do_sample",  # only False
+    }
+)
+#: fields that never change the tokens (bookkeeping, or read only by other decoding modes)
+_IGNORED_FIELDS = frozenset(
+    {"transformers_version", "_from_model_config", "_commit_hash", "output_scores", "return_dict_in_generate"}
+)
+#: sampling warpers: read only when ``do_sample=True``, which is refused on its own
+_SAMPLING_FIELDS = frozenset({"temperature", "top_k", "top_p", "typical_p", "min_p", "epsilon_cutoff", "eta_cutoff"})
+#: values of other fields that change nothing (so a config that spells them out is still served)
+_NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+}
+
+
+def _is_default(key: str, value: Any, default: Any) -> bool:
+    if value == default or (value in (None, False) and default in (None, False)):
+        return True
+    return key in _NEUTRAL and value == _NEUTRAL[key]
+
+
+# contract: transformers 5.24 renamed the forward kwarg ``past_key_values`` to ``cache`` (point this at
+# fastgen/optimizer/transformers/contract.py once it exists)
+CACHE_KWARG: str | None = None
+
+
+def cache_kwarg(model: Any) -> str:
+    """The name under which this model's forward takes its cache (``cache`` from 5.24, else ``past_key_values``)."""
+    global CACHE_KWARG
+    if CACHE_KWARG is None:
+        names = inspect.signature(type(model).forward).parameters
+        CACHE_KWARG = "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"
+    return CACHE_KWARG
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One call's decoding settings, resolved as ``generate`` resolves them for an encoder-decoder model."""
+
+    num_beams: int
+    num_return_sequences: int
+    max_length: int  # decoder length limit, the decoder start token included
+    min_length: int
+    min_new_tokens: int
+    length_penalty: float
+    early_stopping: bool | str
+    no_repeat_ngram_size: int
+    forced_bos_token_id: int | None
+    forced_eos_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    decoder_start_token_id: int
+
+    @property
+    def fill_value(self) -> int:
+        """What upstream's beam search fills unused sequence positions with."""
+        if not self.eos_token_ids:
+            return -1
+        return self.pad_token_id or self.eos_token_ids[0]
+
+    def eos_tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        return tuple(int(v) for v in value.reshape(-1).tolist())
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | None]:
+    """The settings of ``model.generate(**kwargs)`` for one input, or the reason this scheduler cannot serve it."""
+    config = model.config
+    if not getattr(config, "is_encoder_decoder", False):
+        return None, "decoder-only models (continuous batching serves encoder-decoder models so far)"
+    if config.model_type not in FAMILIES:
+        return None, f"model type {config.model_type!r} (supported: {', '.join(FAMILIES)})"
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return None, f"attention implementation {getattr(config, '_attn_implementation', None)!r}"
+    if model.training:
+        return None, "the model is in training mode"
+    kwargs = dict(kwargs)
+    # contract: GenerationMixin._prepare_generation_config (HF 5.23: model config < kwargs, global defaults)
+    gen, model_kwargs = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None)
+    if extra:
+        return None, f"argument {extra[0]!r}"
+    # contract: GenerationConfig._get_default_generation_params (the values generate fills in for None)
+    defaults = GenerationConfig()
+    defaults.update(**GenerationConfig._get_default_generation_params())
+    defaults = defaults.to_dict()
+    for key, value in gen.to_dict().items():
+        if key in SUPPORTED_FIELDS or key in _IGNORED_FIELDS or key in _SAMPLING_FIELDS or key.startswith("_"):
+            continue
+        if key in defaults and not _is_default(key, value, defaults[key]):
+            return None, f"generation setting {key}={value!r}"
+    if gen.do_sample:
+        return None, "do_sample=True"
+    if gen.use_cache is False:
+        return None, "use_cache=False"
+    if gen.return_dict_in_generate:
+        return None, "return_dict_in_generate=True"
+    beams = gen.num_beams or 1
+    returns = gen.num_return_sequences or 1
+    if returns > beams:
+        return None, f"num_return_sequences={returns} > num_beams={beams} (upstream raises)"
+    start = gen.decoder_start_token_id if gen.decoder_start_token_id is not None else config.decoder_start_token_id
+    if start is None:
+        return None, "no decoder_start_token_id"
+    max_length = gen.max_new_tokens + 1 if gen.max_new_tokens is not None else gen.max_length
+    eos = _ids(gen.eos_token_id)
+    pad = gen.pad_token_id
+    if pad is None and eos:
+        pad = eos[0]  # as generate: pad falls back to the (first) EOS
+    early = gen.early_stopping
+    settings = Settings(
+        num_beams=beams,
+        num_return_sequences=returns,
+        max_length=int(max_length),
+        min_length=int(gen.min_length or 0),
+        min_new_tokens=int(gen.min_new_tokens or 0),
+        length_penalty=float(gen.length_penalty),
+        early_stopping=early,
+        no_repeat_ngram_size=int(gen.no_repeat_ngram_size or 0),
+        forced_bos_token_id=gen.forced_bos_token_id,
+        forced_eos_token_ids=_ids(gen.forced_eos_token_id),
+        eos_token_ids=eos,
+        pad_token_id=pad,
+        decoder_start_token_id=int(start),
+    )
+    return settings, None

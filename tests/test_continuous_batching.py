@@ -1,0 +1,208 @@
+"""Continuous batching (``fastgen.generate_many``, issue 19) against ``generate`` on each input alone.
+
+The oracle is upstream (``fastgen.unpatched()``) ``generate`` on one unpadded input. Tokens must be
+equal. Scores are compared with a tolerance of a few ulps: CPU GEMMs round differently for different
+row counts (a linear layer over 1 row and over 4 copies of it differ in the last bit; checked in
+``test_gemm_row_count_changes_bits``), so no batched decoder, upstream's static batches included,
+can match the single-input run bit for bit.
+
+The tiny models get an EOS gain so that inputs finish at very different steps (asserted), and the
+batch is small, so inputs leave and newcomers join throughout the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastgen
+from fastgen.continuous import generate_many
+from fastgen.continuous import model as model_calls
+from fastgen.continuous.scheduler import run_continuous
+from fastgen.continuous.settings import FAMILIES as SERVED_FAMILIES
+from fastgen.continuous.settings import resolve
+from tests import harness
+
+FAMILIES = SERVED_FAMILIES
+#: EOS gain per family: inputs then end anywhere between 1 and the length limit
+EOS_GAIN = {"bart": 2.0, "mbart": 2.0, "marian": 1.5, "pegasus": 1.5}
+CASES = {
+    "greedy": dict(num_beams=1, max_new_tokens=24),
+    "greedy-ngram-min": dict(num_beams=1, max_new_tokens=20, no_repeat_ngram_size=2, min_new_tokens=3),
+    "beam4": dict(num_beams=4, max_new_tokens=24),
+    "beam3-ret2-lp0.7-ngram": dict(
+        num_beams=3, num_return_sequences=2, length_penalty=0.7, no_repeat_ngram_size=2, max_new_tokens=20
+    ),
+    "beam4-never-lp-neg": dict(num_beams=4, early_stopping="never", length_penalty=-0.5, max_new_tokens=20),
+    "beam4-early-true": dict(num_beams=4, early_stopping=True, max_new_tokens=20),
+    "beam2-min-new-forced-bos": dict(num_beams=2, min_new_tokens=4, forced_bos_token_id=7, max_length=18),
+}
+
+
+def eos_model(family: str):
+    model = harness.tiny_hf_model(family)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[harness.EOS] *= EOS_GAIN[family]
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {family: eos_model(family) for family in FAMILIES}
+
+
+def make_inputs(count: int = 10, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 40, (count,), generator=generator).tolist()
+    return [torch.randint(3, harness.VOCAB, (n,), generator=generator) for n in lengths]
+
+
+def alone(model, ids: torch.Tensor, kwargs: dict):
+    with fastgen.unpatched(), torch.inference_mode():
+        return model.generate(
+            input_ids=ids[None],
+            attention_mask=torch.ones_like(ids[None]),
+            return_dict_in_generate=True,
+            output_scores=True,
+            **kwargs,
+        )
+
+
+def assert_matches_alone(model, inputs, kwargs, results) -> list[int]:
+    """Tokens equal, scores within a few ulps; returns each input's output length."""
+    lengths = []
+    for index, (ids, (sequences, scores)) in enumerate(zip(inputs, results, strict=True)):
+        ref = alone(model, ids, kwargs)
+        assert torch.equal(sequences, ref.sequences), f"input {index}: {sequences.tolist()} != {ref.sequences.tolist()}"
+        if kwargs.get("num_beams", 1) > 1:
+            torch.testing.assert_close(scores, ref.sequences_scores, rtol=1e-5, atol=1e-5)
+        lengths.append(sequences.shape[1])
+    return lengths
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matches_generate_alone(models, family, case):
+    model, kwargs = models[family], CASES[case]
+    inputs = make_inputs()
+    with fastgen.report() as rep:
+        results = list(generate_many(model, inputs, batch_rows=3 * kwargs["num_beams"], return_scores=True, **kwargs))
+    assert "continuous" in rep.ran, rep.fell_back
+    lengths = assert_matches_alone(model, inputs, kwargs, results)
+    assert max(lengths) >= 2 * min(lengths), f"inputs should finish at very different steps: {lengths}"
+
+
+def test_shared_and_per_beam_cross_kv_agree(models):
+    """With fastgen's grouped attention (one cross K/V row per input) and without it."""
+    model, kwargs = models["bart"], CASES["beam4"]
+    inputs = make_inputs(8, seed=3)
+    settings, reason = resolve(model, kwargs)
+    assert reason is None
+    for share in (True, False):
+        results = [(r.sequences, r.scores) for r in run_continuous(model, inputs, settings, 8, share=share)]
+        assert_matches_alone(model, inputs, kwargs, results)
+
+
+def test_batch_is_refilled(models):
+    """Newcomers join while others run: more rows per step than one input has, fewer steps than one by one."""
+    model, kwargs = models["bart"], CASES["beam4"]
+    inputs = make_inputs(12, seed=2)
+    settings, _ = resolve(model, kwargs)
+    stats: dict[str, int] = {}
+    list(run_continuous(model, inputs, settings, batch_rows=16, stats=stats))
+    alone_steps = sum(alone(model, ids, kwargs).sequences.shape[1] - 1 for ids in inputs)
+    assert stats["rows"] / stats["steps"] > 3 * kwargs["num_beams"] - 1, stats
+    assert stats["steps"] < alone_steps / 3, (stats, alone_steps)
+
+
+def test_results_in_input_order_stream(models):
+    """Results stream lazily and in input order even though short inputs finish first."""
+    model, kwargs = models["marian"], CASES["greedy"]
+    inputs = make_inputs(6, seed=5)
+    stream = generate_many(model, inputs, batch_rows=3, **kwargs)
+    first = next(stream)
+    assert torch.equal(first, alone(model, inputs[0], kwargs).sequences)
+    assert len(list(stream)) == 5
+
+
+def test_planted_bug_is_caught(models, monkeypatch):
+    """Without per-row positions (every row at the cache width, as the stock module does) outputs change."""
+    model, kwargs = models["bart"], CASES["greedy"]
+    inputs = make_inputs(8, seed=4)
+    settings, _ = resolve(model, kwargs)
+
+    def stock_positions(model, positions):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(model_calls, "row_positions", stock_positions)
+    results = [r.sequences for r in run_continuous(model, inputs, settings, batch_rows=4)]
+    wrong = [i for i, ids in enumerate(inputs) if not torch.equal(results[i], alone(model, ids, kwargs).sequences)]
+    assert wrong, "the comparison should see wrong positions"
+
+
+def test_gemm_row_count_changes_bits():
+    """Why scores get a tolerance: the same row through a linear layer alone and in a batch of 4."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 32)
+    differs = 0
+    for length in range(1, 12):
+        x = torch.randn(1, length, 32)
+        differs += not torch.equal(linear(x).expand(4, -1, -1), linear(x.expand(4, -1, -1).contiguous()))
+    if differs == 0:
+        pytest.skip("this CPU's GEMM happens to be row-count invariant")
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(do_sample=True, max_new_tokens=5), "do_sample"),
+        (dict(num_beams=2, repetition_penalty=1.3, max_new_tokens=5), "repetition_penalty"),
+    ],
+)
+def test_unsupported_arguments_fall_back_with_one_warning(models, caplog, kwargs, reason):
+    model = models["bart"]
+    inputs = make_inputs(5, seed=6)
+    fastgen.optimizer.registry._state.warned.clear()
+    with caplog.at_level(logging.WARNING, logger="fastgen"), fastgen.report() as rep:
+        torch.manual_seed(0)
+        results = list(generate_many(model, inputs, batch_rows=4, **kwargs))
+    assert any(f == "continuous" and reason in why for f, why in rep.fell_back), rep.fell_back
+    assert len([r for r in caplog.records if reason in r.getMessage()]) == 1
+    assert len(results) == len(inputs) and all(r.dim() == 2 for r in results)
+
+
+def test_unsupported_family_falls_back_to_static_batches():
+    model = harness.tiny_hf_model("t5")
+    inputs = make_inputs(5, seed=7)
+    kwargs = dict(num_beams=2, max_new_tokens=6)
+    with fastgen.report() as rep:
+        results = list(generate_many(model, inputs, batch_rows=4, **kwargs))
+    assert any(f == "continuous" and "t5" in why for f, why in rep.fell_back)
+    batch = torch.full((2, max(len(i) for i in inputs[:2])), harness.PAD)
+    mask = torch.zeros_like(batch)
+    for row, ids in enumerate(inputs[:2]):
+        batch[row, : len(ids)], mask[row, : len(ids)] = ids, 1
+    with torch.inference_mode():
+        expected = model.generate(input_ids=batch, attention_mask=mask, **kwargs)
+    assert torch.equal(results[0], expected[:1]) and torch.equal(results[1], expected[1:2])
+
+
+def test_bad_input_is_a_clear_error(models):
+    model = models["bart"]
+    with pytest.raises(ValueError, match="input 1: expected a non-empty 1-D"):
+        list(generate_many(model, [[5, 6], []], num_beams=2, max_new_tokens=4))
+    with pytest.raises(ValueError, match="batch_rows"):
+        generate_many(model, [[5, 6]], batch_rows=0)
+
+
+def test_readme_lists_the_served_families():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    match = re.search(r"<!-- families:continuous -->(.*?)<!-- /families -->", readme)
+    assert match, "README has no continuous-batching family list"
+    assert {name.strip() for name in match.group(1).split(",")} == set(SERVED_FAMILIES)
