@@ -1,4 +1,4 @@
-"""``fastgen-generate-hf`` on continuous batching (the default where it serves the run; ``--static-batches`` opts out).
+"""``fastgen-generate-hf`` on continuous batching (``--continuous-batching``, where it serves the run).
 
 The plan (windows, length-sorted batches, journal units, data-parallel split) is unchanged: this
 module only replaces *how* a batch's outputs are computed. All of this rank's remaining inputs are fed,

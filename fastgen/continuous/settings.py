@@ -8,12 +8,13 @@ the whole call to plain ``generate`` per static batch, with one warning naming i
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
+
+from fastgen.optimizer.transformers.contract import CACHE
 
 #: ``config.model_type`` -> the decoder's learned/sinusoidal position module (``embed_positions``) is
 #: indexed by the row's position, the cross-attention module is ``layers[i].encoder_attn`` with
@@ -65,18 +66,9 @@ def _is_default(key: str, value: Any, default: Any) -> bool:
     return key in _NEUTRAL and value == _NEUTRAL[key]
 
 
-# contract: transformers 5.24 renamed the forward kwarg ``past_key_values`` to ``cache`` (point this at
-# fastgen/optimizer/transformers/contract.py once it exists)
-CACHE_KWARG: str | None = None
-
-
 def cache_kwarg(model: Any) -> str:
-    """The name under which this model's forward takes its cache (``cache`` from 5.24, else ``past_key_values``)."""
-    global CACHE_KWARG
-    if CACHE_KWARG is None:
-        names = inspect.signature(type(model).forward).parameters
-        CACHE_KWARG = "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"
-    return CACHE_KWARG
+    """The name under which a model's forward takes its cache, from the contract (5.24 renamed it)."""
+    return CACHE
 
 
 @dataclass(frozen=True)
@@ -130,12 +122,12 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
     if model.training:
         return None, "the model is in training mode"
     kwargs = dict(kwargs)
-    # contract: GenerationMixin._prepare_generation_config (HF 5.23: model config < kwargs, global defaults)
+    # private (listed in the contract's inventory): model config < kwargs, global defaults, as generate merges them
     gen, model_kwargs = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
     extra = sorted(k for k, v in model_kwargs.items() if v is not None)
     if extra:
         return None, f"argument {extra[0]!r}"
-    # contract: GenerationConfig._get_default_generation_params (the values generate fills in for None)
+    # private (listed in the contract's inventory): the values generate fills in for None
     defaults = GenerationConfig()
     defaults.update(**GenerationConfig._get_default_generation_params())
     defaults = defaults.to_dict()

@@ -42,6 +42,9 @@ private (and why a private one stays), and the guard, the test that fails when i
 - ``NoRepeatNGramLogitsProcessor.__call__``, ``EncoderNoRepeatNGramLogitsProcessor`` (public
   ``LogitsProcessor`` classes), ngram: replaced in place so every loop, upstream's and fastgen's,
   runs the op. Guard: ``tests/optimizer/test_ngram_patches.py``.
+- ``GenerationMixin._prepare_generation_config`` and ``GenerationConfig._get_default_generation_params``
+  (private), continuous batching (``fastgen/continuous/settings.py``): the settings ``generate`` would use,
+  so a call it does not serve falls back. Guard: ``tests/test_continuous_batching.py``.
 - ``GenerationMode``, ``GenerateBeam*Output``, ``GenerateDecoderOnlyOutput`` (public), all.
 """
 
