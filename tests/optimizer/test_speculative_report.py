@@ -5,21 +5,12 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 import fastgen
 from tests.harness import requires_feature, tiny_hf_model, tiny_inputs
+from tests.optimizer.test_speculative import _noisy_copy
 
 pytestmark = requires_feature("speculative")
-
-
-def _noisy_copy(model, scale: float = 0.005, seed: int = 3):
-    draft = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * scale * param.std().clamp(min=1e-3))
-    return draft
 
 
 def test_report_counts_rows_proposed_and_accepted_drafts() -> None:
