@@ -14,18 +14,15 @@ import torch
 import fastgen
 from fastgen.cli.generate_hf import load_model, load_tokenizer, main
 from fastgen.cli.hf_inputs import read_lines
-from scripts import make_tiny_model
 from tests.cli.test_generate_hf import _KILLER
+from tests.cli.tiny_files import bart_and_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("cbatch")
-    inputs = root / "inputs.txt"
-    inputs.write_text("\n".join(make_tiny_model.sentences(30, seed=5, max_words=16)) + "\n")
-    return {"bart": make_tiny_model.make(root / "bart", "bart"), "inputs": inputs}
+    return bart_and_inputs(tmp_path_factory.mktemp("cbatch"), sentences=30, max_words=16)
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture) -> int:

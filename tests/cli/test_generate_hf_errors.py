@@ -11,7 +11,7 @@ import fastgen
 from fastgen.cli import generate_hf, journal
 from fastgen.cli.generate_hf import main
 from fastgen.cli.hf_inputs import read_lines
-from scripts import make_tiny_model
+from tests.cli.tiny_files import bart_and_inputs
 from tests.harness import tiny_hf_model, tiny_inputs
 
 PRECIOUS = "an earlier run's output\n"
@@ -19,10 +19,7 @@ PRECIOUS = "an earlier run's output\n"
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf-errors")
-    inputs = root / "inputs.txt"
-    inputs.write_text("\n".join(make_tiny_model.sentences(12, seed=5, max_words=12)) + "\n")
-    return {"bart": make_tiny_model.make(root / "bart", "bart"), "inputs": inputs}
+    return bart_and_inputs(tmp_path_factory.mktemp("hf-errors"), sentences=12, max_words=12)
 
 
 def run(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
