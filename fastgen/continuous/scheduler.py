@@ -15,6 +15,7 @@ step's logits.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -25,6 +26,8 @@ from fastgen.continuous.cache import SlotCache
 from fastgen.continuous.search import Finished, SearchState
 from fastgen.continuous.settings import Settings
 from fastgen.optimizer import registry, report
+from fastgen.optimizer.fast_gemm_scope import packed_linears
+from fastgen.optimizer.transformers.gemm import exact_output_projection
 
 FEATURE = "continuous"
 _GET_INTERFACE = "transformers.modeling_utils:AttentionInterface.get_interface"
@@ -37,6 +40,23 @@ def beams_can_share_cross_kv(model: Any) -> bool:
     if not registry.active() or shared_cross_attention_problem(model) is not None:
         return False
     return any(row.target == _GET_INTERFACE and row.state == "applied" for row in registry.status())
+
+
+def _feature_applied(feature: str) -> bool:
+    return registry.active() and any(row.feature == feature and row.state == "applied" for row in registry.status())
+
+
+@contextlib.contextmanager
+def linear_scope(model: Any) -> Iterator[None]:
+    """The GEMM forms ``generate`` runs under with fastgen on: ``gemm`` (exact output projection) and,
+    when the user opted in, ``fast_gemm`` (packed linears). Those features hook ``generate``, which
+    continuous batching does not call, so it enters their scopes itself, per step."""
+    with contextlib.ExitStack() as stack:
+        if _feature_applied("fast_gemm"):
+            stack.enter_context(packed_linears(model))
+        if _feature_applied("gemm"):
+            stack.enter_context(exact_output_projection(model))
+        yield
 
 
 def run_continuous(
@@ -81,11 +101,11 @@ def run_continuous(
                     break
                 newcomers.append((item[0], _as_ids(item[1], item[0], device)))
             if newcomers:
-                with torch.no_grad():
+                with torch.no_grad(), linear_scope(model):
                     _admit(model, state, cache, encoder_lengths, newcomers, cross_rows)
         if not len(state):
             break
-        with torch.no_grad():
+        with torch.no_grad(), linear_scope(model):
             done = _step(model, state, cache, encoder_lengths, cross_rows, stats)
             if any(done):
                 for position, is_done in enumerate(done):
