@@ -224,7 +224,8 @@ class SearchState:
         for warper in self.warpers:
             logits = warper(self.tokens, logits)
         probs = torch.softmax(logits, dim=-1)
-        draws = [torch.multinomial(block, 1, generator=g) for block, g in zip(probs.split(r), self.generators)]
+        blocks = zip(probs.split(r), self.generators, strict=True)
+        draws = [torch.multinomial(block, 1, generator=generator) for block, generator in blocks]
         next_tokens = torch.cat(draws).squeeze(1)
         if self.eos.numel():
             next_tokens = torch.where(self.unfinished, next_tokens, self.s.pad_token_id)
