@@ -161,7 +161,7 @@ def test_gemm_row_count_changes_bits():
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        (dict(do_sample=True, max_new_tokens=5), "do_sample"),
+        (dict(do_sample=True, num_beams=2, max_new_tokens=5), "beam sampling"),
         (dict(num_beams=2, repetition_penalty=1.3, max_new_tokens=5), "repetition_penalty"),
     ],
 )

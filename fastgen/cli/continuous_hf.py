@@ -7,9 +7,12 @@ num_beams`` decoder rows, so the batch never drains between batches or windows; 
 in feed order and are handed to the pipeline as the plan's batches (padded like ``generate``'s
 output), so the journal, ``--resume``, the output order and the progress bar see what they saw before.
 
-Runs that continuous batching does not serve (decoder-only models, sampling, other families or
+Runs that continuous batching does not serve (decoder-only models, beam sampling, other families or
 arguments: see :func:`fastgen.continuous.settings.resolve`) keep the static batches, with one log line
-saying why; sampling in particular keeps its per-batch seeds.
+saying why. Sampling is seeded per input line, not per batch (a line's batch neighbours change as
+others finish): with ``--seed S`` line ``k`` (0-based in the input file) is sampled from seed ``S + k``,
+so its output equals ``generate`` on that line alone after ``torch.manual_seed(S + k)``, in every
+batch size, rank and resumed run.
 """
 
 from __future__ import annotations
@@ -30,9 +33,18 @@ logger = logging.getLogger("fastgen.cli.generate_hf")
 class ContinuousBatches:
     """The outputs of the planned batches, computed by one continuous-batching stream."""
 
-    def __init__(self, model: Any, lines: Sequence[InputLine], batches: Sequence[Batch], kwargs: dict, rows: int):
+    def __init__(
+        self,
+        model: Any,
+        lines: Sequence[InputLine],
+        batches: Sequence[Batch],
+        kwargs: dict,
+        rows: int,
+        seed: int | None = None,
+    ):
         feed = (lines[i].ids for batch in batches for i in batch.indices)
-        self._results = generate_many(model, feed, batch_rows=rows, **kwargs)
+        seeds = None if seed is None else (seed + i for batch in batches for i in batch.indices)
+        self._results = generate_many(model, feed, batch_rows=rows, seed=seeds, **kwargs)
 
     def next_batch(self, batch: Batch, pad: int) -> torch.Tensor | None:
         """The next batch of the plan (batches must be asked for in the order given): ``(B, L)`` tokens."""
@@ -46,13 +58,20 @@ class ContinuousBatches:
 
 
 def start(
-    model: Any, lines: Sequence[InputLine], batches: Sequence[Batch], kwargs: dict, batch_size: int
+    model: Any,
+    lines: Sequence[InputLine],
+    batches: Sequence[Batch],
+    kwargs: dict,
+    batch_size: int,
+    seed: int | None = None,
 ) -> ContinuousBatches | None:
     """A continuous stream for these batches, or None (static batches) when it cannot serve the run."""
     settings, reason = resolve(model, kwargs)
     if reason is not None:
         logger.info("static batches: continuous batching does not serve this run (%s)", reason)
         return None
-    rows = batch_size * settings.num_beams
-    logger.info("continuous batching: %d decoder rows (%d inputs x %d beams)", rows, batch_size, settings.num_beams)
-    return ContinuousBatches(model, lines, batches, kwargs, rows)
+    per_input = settings.rows_per_input
+    rows = batch_size * per_input
+    what = "samples" if settings.do_sample else "beams"
+    logger.info("continuous batching: %d decoder rows (%d inputs x %d %s)", rows, batch_size, per_input, what)
+    return ContinuousBatches(model, lines, batches, kwargs, rows, seed)

@@ -67,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="any generate() argument; VALUE is read as JSON when it parses (4, 0.7, true), else as a string",
     )
-    parser.add_argument("--seed", type=int, default=None, help="seed batch k with SEED + k (reproducible sampling)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed batch k with SEED + k (reproducible sampling); with --continuous-batching: input line k (0-based) "
+        "with SEED + k",
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument(
@@ -90,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--continuous-batching",
         action="store_true",
-        help="refill the batch as inputs finish (encoder-decoder greedy/beam; off by default: on this CPU it "
+        help="refill the batch as inputs finish (encoder-decoder greedy/beam/sampling; off by default: on this CPU it "
         "measured 0.96-1.09x the static batches, see the README)",
     )
     add_pipeline_args(parser)
@@ -321,7 +327,9 @@ def _run(
         from fastgen.cli import continuous_hf  # imports Transformers: not at module import (--help stays fast)
 
         continuous = (
-            None if not args.continuous_batching else continuous_hf.start(model, lines, mine, kwargs, args.batch_size)
+            None
+            if not args.continuous_batching
+            else continuous_hf.start(model, lines, mine, kwargs, args.batch_size, args.seed)
         )
         for batch in mine:
             new_tokens = None

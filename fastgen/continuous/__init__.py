@@ -1,4 +1,4 @@
-"""Continuous batching for encoder-decoder greedy and beam search (issue 19): :func:`generate_many`."""
+"""Continuous batching for encoder-decoder greedy search, beam search and sampling (issue 19): :func:`generate_many`."""
 
 from fastgen.continuous.api import generate_many
 

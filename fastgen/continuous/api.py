@@ -6,6 +6,7 @@ Named after ``generate`` (it takes the same keyword arguments) with ``batch_rows
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ def generate_many(
     *,
     batch_rows: int = DEFAULT_BATCH_ROWS,
     return_scores: bool = False,
+    seed: int | Iterable[int] | None = None,
     **generate_kwargs: Any,
 ) -> Iterator[Any]:
     """Generate for every input (a 1-D sequence of token ids each), yielding results in input order.
@@ -37,22 +39,75 @@ def generate_many(
 
     Served: encoder-decoder models of :data:`fastgen.continuous.settings.FAMILIES`, greedy and beam
     search with length penalty, early stopping, ``num_return_sequences``, ``no_repeat_ngram_size``,
-    min/max (new) tokens and forced BOS/EOS. Any other argument or model falls back, with one warning
-    naming it, to plain ``generate`` over consecutive static batches of ``batch_rows // num_beams``
-    inputs (right-padded); each result is then that input's rows of its batch's output.
+    min/max (new) tokens and forced BOS/EOS; and sampling (``do_sample=True``, one beam) with
+    ``temperature``, ``top_k``, ``top_p``, ``min_p`` and ``num_return_sequences`` samples per input.
+    Any other argument or model (beam sampling, ``typical_p``, ...) falls back, with one warning naming
+    it, to plain ``generate`` over consecutive static batches of ``batch_rows // num_beams`` inputs
+    (right-padded); each result is then that input's rows of its batch's output.
+
+    Sampling draws every input from its own random stream, so an input's samples do not depend on which
+    inputs share its steps. ``seed=S`` gives input ``i`` (0-based position in ``inputs``) the stream of
+    seed ``S + i``: its result equals ``torch.manual_seed(S + i); model.generate(input_ids=ids[None],
+    do_sample=True, **generate_kwargs)``. ``seed`` may also be an iterable of one seed per input (the CLI
+    seeds by line number). A call that falls back with a seed runs each input alone under its seed
+    (global generator state restored), keeping that promise. Without ``seed``, as ``generate`` the call
+    takes its randomness from torch's global generator: ``S`` is drawn from it once, when
+    ``generate_many`` is called, so ``torch.manual_seed(k)`` before the call makes the run reproducible
+    (and a call that falls back samples its static batches from the global generator, as ``generate``).
+    ``seed`` is ignored when not sampling.
     """
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise ValueError(f"batch_rows must be a positive integer, got {batch_rows!r}")
     settings, reason = resolve(model, generate_kwargs)
     if reason is not None:
+        if seed is not None and _samples(model, generate_kwargs):
+            fallback(FEATURE, f"{reason}: plain generate per input, each under its seed")
+            return _seeded_alone(model, inputs, _seeds(seed), return_scores, generate_kwargs)
         fallback(FEATURE, f"{reason}: plain generate per static batch")
         return _static_batches(model, inputs, batch_rows, return_scores, generate_kwargs)
-    return _results(run_continuous(model, inputs, settings, batch_rows), return_scores)
+    seeds = _seeds(seed) if settings.do_sample else None
+    return _results(run_continuous(model, inputs, settings, batch_rows, seeds=seeds), return_scores)
+
+
+def _seeds(seed: int | Iterable[int] | None) -> Iterator[int]:
+    """Each input's seed: ``S + i``, the given ones, or ``S`` drawn once from torch's global generator."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    if isinstance(seed, int):
+        return itertools.count(seed)
+    return iter(seed)
+
+
+def _samples(model: Any, kwargs: dict[str, Any]) -> bool:
+    config = kwargs.get("generation_config") or model.generation_config
+    return bool(kwargs.get("do_sample", config.do_sample))
 
 
 def _results(finished: Iterator[Finished], return_scores: bool) -> Iterator[Any]:
     for item in finished:
         yield (item.sequences, item.scores) if return_scores else item.sequences
+
+
+def _seeded_alone(
+    model: Any, inputs: Iterable[Any], seeds: Iterator[int], return_scores: bool, kwargs: dict[str, Any]
+) -> Iterator[Any]:
+    """The fallback with a seed: ``generate`` on each input alone after seeding, as the docstring promises."""
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    returns = int(kwargs.get("num_return_sequences") or model.generation_config.num_return_sequences or 1)
+    devices = [model.device] if model.device.type == "cuda" else []
+    for index, value in enumerate(inputs):
+        ids = torch.as_tensor(value).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError(f"input {index}: empty")
+        seed = next(seeds, None)
+        if seed is None:
+            raise ValueError(f"input {index}: no seed left (give one seed per input)")
+        with torch.random.fork_rng(devices=devices):  # computed, not yielded, inside: the caller's state is kept
+            torch.manual_seed(int(seed))
+            results = list(_generate_chunk(model, [ids], pad, False, returns, return_scores, kwargs))
+        yield from results
 
 
 def _static_batches(

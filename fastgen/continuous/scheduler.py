@@ -66,14 +66,16 @@ def run_continuous(
     batch_rows: int,
     share: bool | None = None,
     stats: dict[str, int] | None = None,
+    seeds: Iterable[int] | None = None,
 ) -> Iterator[Finished]:
     """Generate every input, yielding :class:`Finished` results in input order.
 
     ``share``: one cross K/V row per input (None: when fastgen's grouped attention is installed).
     ``stats``: filled in place with ``steps`` (decoder forwards) and ``rows`` (rows summed over steps).
+    ``seeds``: when sampling, each input's random-stream seed, in input order (needed then).
     """
     device = model.device
-    beams = settings.num_beams
+    beams = settings.rows_per_input  # beams, or samples per input when sampling
     slots = max(1, batch_rows // beams)
     share = beams_can_share_cross_kv(model) if share is None else share
     cross_rows = 1 if share or beams == 1 else beams  # cross K/V rows per input
@@ -81,6 +83,7 @@ def run_continuous(
     cache = SlotCache(len(model.get_decoder().layers))
     encoder_lengths: list[int] = []  # per running input
     queue = enumerate(inputs)
+    seed_queue = iter(seeds) if seeds is not None else None
     exhausted = False
     ready: dict[int, Finished] = {}
     next_out = 0
@@ -101,8 +104,9 @@ def run_continuous(
                     break
                 newcomers.append((item[0], _as_ids(item[1], item[0], device)))
             if newcomers:
+                seeds_now = None if seed_queue is None else [_next_seed(seed_queue, i) for i, _ in newcomers]
                 with torch.no_grad(), linear_scope(model):
-                    _admit(model, state, cache, encoder_lengths, newcomers, cross_rows)
+                    _admit(model, state, cache, encoder_lengths, newcomers, cross_rows, seeds_now)
         if not len(state):
             break
         with torch.no_grad(), linear_scope(model):
@@ -157,13 +161,21 @@ def _admit(
     encoder_lengths: list[int],
     newcomers: list[tuple[int, torch.Tensor]],
     cross_rows: int,
+    seeds: list[int] | None = None,
 ) -> None:
     """Encode the newcomers (one call), project their cross K/V, and append their rows to the batch."""
     ids = [tokens for _, tokens in newcomers]
     states, _ = model_calls.encode(model, ids, _pad_id(model))
     cache.add(len(newcomers) * state.beams, model_calls.project_cross(model, states, cross_rows))
     encoder_lengths.extend(len(tokens) for tokens in ids)
-    state.add([index for index, _ in newcomers])
+    state.add([index for index, _ in newcomers], seeds)
+
+
+def _next_seed(seeds: Iterator[int], index: int) -> int:
+    seed = next(seeds, None)
+    if seed is None:
+        raise ValueError(f"input {index}: no seed left (give one seed per input)")
+    return int(seed)
 
 
 def _pad_id(model: Any) -> int:

@@ -9,6 +9,16 @@ heuristic, min-length bans, the forced EOS step, the length limit) is per input 
 running/finished merges and the heuristic, in the same order with the same operations; only the
 scalars become per-input columns. Greedy does upstream ``_sample``'s argmax over processed logits.
 
+Sampling does upstream ``_sample``'s multinomial step with ``R = num_return_sequences`` rows per input
+(as ``generate`` expands them): the processors above, then Transformers' own warpers (temperature,
+top-k, top-p, min-p, in upstream's order; each acts on every row alone, so one call over all rows
+equals one call per input), softmax, and ``torch.multinomial`` on each input's ``(R, V)`` block with
+that input's own ``torch.Generator``. A generator seeded ``S`` gives the stream the global generator
+gives after ``torch.manual_seed(S)``, and ``multinomial`` draws from it exactly what it draws for the
+same ``(R, V)`` block when ``generate`` runs the input alone, so an input's samples do not depend on
+its batch neighbours. Rows that hit EOS keep drawing and are padded, as upstream's, until all ``R`` are
+done.
+
 Sequences are kept left-aligned in ``(rows, max_length)`` buffers filled with upstream's fill value, so
 an input's finished hypotheses come out exactly as ``generate`` returns them for it alone.
 """
@@ -18,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.generation import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from fastgen.continuous.settings import Settings
 from fastgen.ops.beam_topk import log_probs_top_k
@@ -32,7 +43,7 @@ class Finished:
 
     index: int
     sequences: torch.Tensor  # (num_return_sequences, length)
-    scores: torch.Tensor | None  # (num_return_sequences,) beam search's sequences_scores; None for greedy
+    scores: torch.Tensor | None  # (num_return_sequences,) beam search's sequences_scores; None otherwise
 
 
 def apply_processors(
@@ -84,13 +95,29 @@ def _force(scores: torch.Tensor, rows: torch.Tensor | None, ids: tuple[int, ...]
     scores[rows[:, None], cols[None, :]] = 0
 
 
+def sampling_warpers(settings: Settings) -> list:
+    """Upstream's warpers for ``do_sample`` with one beam, under upstream's conditions and in its order
+    (``_get_logits_processor``; ``min_tokens_to_keep`` is 1 without beams)."""
+    s, warpers = settings, []
+    if s.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(s.temperature))
+    if s.top_k is not None and s.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=s.top_k))
+    if s.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=s.top_p))
+    if s.min_p is not None:
+        warpers.append(MinPLogitsWarper(min_p=s.min_p))
+    return warpers
+
+
 class SearchState:
-    """Running inputs of one decoding mode; rows are ``input * M + beam``."""
+    """Running inputs of one decoding mode; rows are ``input * M + row`` (M beams, or samples when sampling)."""
 
     def __init__(self, settings: Settings, device: torch.device) -> None:
         self.s = settings
         self.device = device
-        self.beams = settings.num_beams
+        self.beams = settings.rows_per_input
+        self.beam_search = settings.num_beams > 1
         self.indices: list[int] = []  # input index of each running input
         self.host_lengths: list[int] = []  # decoder length of each running input (host copy, no syncs)
         self.lengths = torch.zeros(0, dtype=torch.long, device=device)
@@ -98,7 +125,11 @@ class SearchState:
         m = self.beams
         self.running_scores = torch.zeros((0, m), device=device)
         self.keep = max(2, 1 + len(settings.eos_token_ids)) * m
-        if m > 1:
+        if settings.do_sample:
+            self.warpers = sampling_warpers(settings)
+            self.generators: list[torch.Generator] = []  # one random stream per running input
+            self.unfinished = torch.zeros(0, dtype=torch.bool, device=device)  # per row, as upstream's
+        if self.beam_search:
             self.seqs = torch.zeros((0, m, settings.max_length), dtype=torch.long, device=device)
             self.beam_scores = torch.zeros((0, m), device=device)
             self.finished = torch.zeros((0, m), dtype=torch.bool, device=device)
@@ -112,8 +143,10 @@ class SearchState:
         return len(self.indices)
 
     # -- membership -----------------------------------------------------------------------------
-    def add(self, indices: list[int]) -> None:
-        """Newcomers at step 0: the decoder start token, beam 0 live and the others at -1e9 (as upstream)."""
+    def add(self, indices: list[int], seeds: list[int] | None = None) -> None:
+        """Newcomers at step 0: the decoder start token, beam 0 live and the others at -1e9 (as upstream).
+
+        When sampling, ``seeds`` seeds each newcomer's random stream (see the module docs)."""
         k, m, length = len(indices), self.beams, self.s.max_length
         tokens = torch.full((k * m, length), self.s.fill_value, dtype=torch.long, device=self.device)
         tokens[:, 0] = self.s.decoder_start_token_id
@@ -124,7 +157,12 @@ class SearchState:
         self.lengths = torch.cat([self.lengths, torch.ones(k, dtype=torch.long, device=self.device)])
         self.indices += indices
         self.host_lengths += [1] * k
-        if m > 1:
+        if self.s.do_sample:
+            if seeds is None or len(seeds) != k:
+                raise ValueError("sampling needs one seed per input")
+            self.generators += [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
+            self.unfinished = torch.cat([self.unfinished, torch.ones(k * m, dtype=torch.bool, device=self.device)])
+        if self.beam_search:
             self.seqs = torch.cat([self.seqs, tokens.view(k, m, length).clone()])
             self.beam_scores = torch.cat([self.beam_scores, torch.full((k, m), -1e9, device=self.device)])
             self.finished = torch.cat([self.finished, torch.zeros((k, m), dtype=torch.bool, device=self.device)])
@@ -140,7 +178,10 @@ class SearchState:
         self.lengths = self.lengths.index_select(0, inputs)
         self.indices = [self.indices[i] for i in keep]
         self.host_lengths = [self.host_lengths[i] for i in keep]
-        if self.beams > 1:
+        if self.s.do_sample:
+            self.generators = [self.generators[i] for i in keep]
+            self.unfinished = self.unfinished.index_select(0, rows)
+        if self.beam_search:
             for name in ("seqs", "beam_scores", "finished", "fin_lengths", "unsatisfied"):
                 setattr(self, name, getattr(self, name).index_select(0, inputs))
 
@@ -156,6 +197,8 @@ class SearchState:
     def step(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, list[bool]]:
         """Advance every input by one token. Returns the cache row order (beam reorder, or None) and
         which running inputs are done (one host sync)."""
+        if self.s.do_sample:
+            return None, self._sample_step(logits)
         if self.beams == 1:
             return None, self._greedy_step(logits)
         return self._beam_step(logits)
@@ -172,6 +215,27 @@ class SearchState:
         self.lengths = lengths + 1
         self.host_lengths = [n + 1 for n in self.host_lengths]
         return hits.tolist()
+
+    def _sample_step(self, logits: torch.Tensor) -> list[bool]:
+        """Upstream ``_sample``'s step per input: processors, warpers, softmax, one multinomial draw per row
+        from the input's own stream; finished rows get the pad token (with an EOS) until all are done."""
+        r, lengths = self.beams, self.row_lengths()
+        apply_processors(self.s, self.tokens, lengths, logits, self.host_lengths, r)
+        for warper in self.warpers:
+            logits = warper(self.tokens, logits)
+        probs = torch.softmax(logits, dim=-1)
+        blocks = zip(probs.split(r), self.generators, strict=True)
+        draws = [torch.multinomial(block, 1, generator=generator) for block, generator in blocks]
+        next_tokens = torch.cat(draws).squeeze(1)
+        if self.eos.numel():
+            next_tokens = torch.where(self.unfinished, next_tokens, self.s.pad_token_id)
+            self.unfinished = self.unfinished & ~torch.isin(next_tokens, self.eos)
+        rows = torch.arange(next_tokens.shape[0], device=self.device)
+        self.tokens[rows, lengths] = next_tokens
+        self.lengths = self.lengths + 1
+        self.host_lengths = [n + 1 for n in self.host_lengths]
+        done = ~self.unfinished.view(-1, r).any(dim=1) | (self.lengths >= self.s.max_length)
+        return done.tolist()
 
     def _beam_step(self, logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
         s, m, n = self.s, self.beams, len(self)
@@ -234,7 +298,8 @@ class SearchState:
     def result(self, position: int) -> Finished:
         """The result of running input ``position``, as ``generate`` returns it for that input alone."""
         index, r = self.indices[position], self.s.num_return_sequences
-        if self.beams == 1:
-            return Finished(index, self.tokens[position, : self.host_lengths[position]].view(1, -1).clone(), None)
+        if not self.beam_search:
+            rows = self.tokens[position * self.beams : (position + 1) * self.beams, : self.host_lengths[position]]
+            return Finished(index, rows.clone(), None)
         output_length = 1 + int(self.fin_lengths[position, :r].max())
         return Finished(index, self.seqs[position, :r, :output_length].clone(), self.beam_scores[position, :r].clone())

@@ -2,13 +2,15 @@
 
 Admission is by allow-list (DESIGN §8): the model's ``generation_config`` updated with the call's
 kwargs is compared field by field against ``GenerationConfig()``'s defaults; a field that differs and
-is not in :data:`SUPPORTED_FIELDS` (sampling, constraints, custom processors, output dicts, ...) sends
-the whole call to plain ``generate`` per static batch, with one warning naming it.
+is not in :data:`SUPPORTED_FIELDS` (constraints, custom processors, output dicts, ...) sends the whole
+call to plain ``generate`` per static batch, with one warning naming it. Sampling is served with
+``num_beams == 1`` and the warpers temperature, top-k, top-p and min-p; beam sampling and the other
+warpers (typical, epsilon, eta) fall back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,14 +44,19 @@ SUPPORTED_FIELDS = frozenset(
         "bos_token_id",
         "decoder_start_token_id",
         "use_cache",
-        "do_sample",  # only False
+        "do_sample",  # sampling with num_beams == 1 (beam sampling falls back)
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
     }
 )
 #: fields that never change the tokens (bookkeeping, or read only by other decoding modes)
 _IGNORED_FIELDS = frozenset(
     {"transformers_version", "_from_model_config", "_commit_hash", "output_scores", "return_dict_in_generate"}
 )
-#: sampling warpers: read only when ``do_sample=True``, which is refused on its own
+#: sampling warpers upstream reads only when ``do_sample=True`` (ignored otherwise, as upstream ignores them);
+#: the ones not in SUPPORTED_FIELDS fall back under ``do_sample=True`` when they would act
 _SAMPLING_FIELDS = frozenset({"temperature", "top_k", "top_p", "typical_p", "min_p", "epsilon_cutoff", "eta_cutoff"})
 #: values of other fields that change nothing (so a config that spells them out is still served)
 _NEUTRAL = {
@@ -88,6 +95,17 @@ class Settings:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     decoder_start_token_id: int
+    # multinomial sampling (num_beams == 1) and its warpers, as generate's config holds them
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float | None = None
+
+    @property
+    def rows_per_input(self) -> int:
+        """Decoder rows per input, as ``generate`` expands them: beams, or the samples returned."""
+        return self.num_return_sequences if self.do_sample else self.num_beams
 
     @property
     def fill_value(self) -> int:
@@ -137,14 +155,18 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
         if key in defaults and not _is_default(key, value, defaults[key]):
             return None, f"generation setting {key}={value!r}"
     if gen.do_sample:
-        return None, "do_sample=True"
+        if (gen.num_beams or 1) > 1:
+            return None, "do_sample=True with num_beams > 1 (beam sampling)"
+        unsupported = _active_unsupported_warper(gen)
+        if unsupported:
+            return None, f"sampling setting {unsupported}"
     if gen.use_cache is False:
         return None, "use_cache=False"
     if gen.return_dict_in_generate:
         return None, "return_dict_in_generate=True"
     beams = gen.num_beams or 1
     returns = gen.num_return_sequences or 1
-    if returns > beams:
+    if returns > beams and not gen.do_sample:
         return None, f"num_return_sequences={returns} > num_beams={beams} (upstream raises)"
     start = gen.decoder_start_token_id if gen.decoder_start_token_id is not None else config.decoder_start_token_id
     if start is None:
@@ -170,4 +192,24 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
         pad_token_id=pad,
         decoder_start_token_id=int(start),
     )
+    if gen.do_sample:
+        settings = replace(
+            settings,
+            do_sample=True,
+            temperature=float(gen.temperature if gen.temperature is not None else 1.0),
+            top_k=gen.top_k,
+            top_p=float(gen.top_p if gen.top_p is not None else 1.0),
+            min_p=gen.min_p,
+        )
     return settings, None
+
+
+def _active_unsupported_warper(gen: GenerationConfig) -> str | None:
+    """A sampling warper upstream would add (its own conditions) that the sampling step does not apply."""
+    if gen.typical_p is not None and gen.typical_p < 1.0:
+        return f"typical_p={gen.typical_p!r}"
+    for key in ("epsilon_cutoff", "eta_cutoff"):
+        value = getattr(gen, key)
+        if value is not None and 0.0 < value < 1.0:
+            return f"{key}={value!r}"
+    return None

@@ -32,13 +32,15 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture) -> int:
     return code
 
 
-def alone_outputs(model_dir: Path, inputs: Path, **kwargs) -> list[str]:
-    """Upstream generate on each line alone, decoded as the CLI decodes."""
+def alone_outputs(model_dir: Path, inputs: Path, seed: int | None = None, **kwargs) -> list[str]:
+    """Upstream generate on each line alone, decoded as the CLI decodes (line k seeded with ``seed + k``)."""
     tokenizer = load_tokenizer(model_dir, False)
     model = load_model(model_dir, "cpu", "float32")
     texts = []
-    for line in read_lines(inputs):
+    for k, line in enumerate(read_lines(inputs)):
         ids = torch.tensor([tokenizer(line.text)["input_ids"]])
+        if seed is not None:
+            torch.manual_seed(seed + k)
         with fastgen.unpatched(), torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
         texts.append(tokenizer.batch_decode(out, skip_special_tokens=True)[0].replace("\n", "\\n"))
@@ -62,13 +64,30 @@ def test_continuous_equals_generate_alone_and_static_batches(files, tmp_path, ca
     assert static.read_text() == out.read_text()  # on this tiny model padding flips no token
 
 
-def test_sampling_keeps_static_batches_with_their_seeds(files, tmp_path, capsys, caplog):
+def test_sampling_seeds_each_line(files, tmp_path, capsys, caplog):
+    """With --seed S, line k is sampled from seed S + k: equal to generate on that line alone so seeded."""
     out = tmp_path / "out.txt"
-    args = [str(files["bart"]), "--input", str(files["inputs"]), "--output", str(out), "--max-new-tokens", "5"]
-    args += ["--gen", "do_sample=true", "--seed", "3", "--postprocess-workers", "0", "--continuous-batching"]
+    args = [str(files["bart"]), "--input", str(files["inputs"]), "--output", str(out), "--max-new-tokens", "8"]
+    args += ["--gen", "do_sample=true", "--gen", "top_p=0.9", "--seed", "3", "--batch-size", "3"]
+    args += ["--sort-window", "9", "--postprocess-workers", "0", "--continuous-batching"]
     with caplog.at_level(logging.INFO, logger="fastgen.cli.generate_hf"):
         assert run_cli(args, capsys) == 0
-    assert "static batches: continuous batching does not serve this run (do_sample=True)" in caplog.text
+    assert "continuous batching: 3 decoder rows (3 inputs x 1 samples)" in caplog.text
+    expected = alone_outputs(files["bart"], files["inputs"], seed=3, do_sample=True, top_p=0.9, max_new_tokens=8)
+    assert out.read_text().split("\n")[:-1] == expected
+    greedy = alone_outputs(files["bart"], files["inputs"], max_new_tokens=8)
+    assert sum(a != b for a, b in zip(expected, greedy, strict=True)) > 10, "sampling should differ from greedy"
+
+
+def test_beam_sampling_keeps_static_batches_with_their_seeds(files, tmp_path, capsys, caplog):
+    out = tmp_path / "out.txt"
+    args = [str(files["bart"]), "--input", str(files["inputs"]), "--output", str(out), "--max-new-tokens", "5"]
+    args += ["--gen", "do_sample=true", "--num-beams", "2", "--seed", "3", "--postprocess-workers", "0"]
+    with caplog.at_level(logging.INFO, logger="fastgen.cli.generate_hf"):
+        assert run_cli([*args, "--continuous-batching"], capsys) == 0
+    assert "static batches: continuous batching does not serve this run (do_sample=True with num_beams > 1" in (
+        caplog.text
+    )
 
 
 @pytest.mark.parametrize("kill_at", [1, 3])

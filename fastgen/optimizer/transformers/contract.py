@@ -45,6 +45,9 @@ private (and why a private one stays), and the guard, the test that fails when i
 - ``GenerationMixin._prepare_generation_config`` and ``GenerationConfig._get_default_generation_params``
   (private), continuous batching (``fastgen/continuous/settings.py``): the settings ``generate`` would use,
   so a call it does not serve falls back. Guard: ``tests/test_continuous_batching.py``.
+- ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``, ``MinPLogitsWarper`` (public,
+  ``transformers.generation``), continuous sampling (``fastgen/continuous/search.py``) builds them as
+  ``_get_logits_processor`` does. Guard: ``tests/test_continuous_sampling.py``.
 - ``GenerationMode``, ``GenerateBeam*Output``, ``GenerateDecoderOnlyOutput`` (public), all.
 """
 
