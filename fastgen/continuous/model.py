@@ -10,8 +10,8 @@ forward, with:
   its own position;
 - a 2-D decoder mask that hides the slots past each row's length, and the encoder mask that hides the
   cross K/V padding;
-- a forward hook on the decoder's ``embed_positions`` that hands every row the embedding of its own
-  position (the stock module embeds one position, the cache length, for all rows).
+- the family's hooks (:mod:`fastgen.continuous.families`) that give every row its own position (the
+  stock decoder derives one position, the cache length, for all rows).
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 
 from fastgen.continuous.cache import SlotCache
+from fastgen.continuous.families import adapter
 from fastgen.continuous.settings import cache_kwarg
 
 
-def _cross_attention_modules(model: Any) -> list[torch.nn.Module]:
-    return [layer.encoder_attn for layer in model.get_decoder().layers]
+def decoder_layers(model: Any) -> int:
+    """How many decoder layers (one self- and one cross-attention cache layer each) the model has."""
+    return len(adapter(model).cross_attention(model))
 
 
 def encode(model: Any, inputs: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,15 +51,14 @@ def encode(model: Any, inputs: list[torch.Tensor], pad_token_id: int) -> tuple[t
 def project_cross(model: Any, states: torch.Tensor, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every decoder layer's cross-attention K/V of ``states`` ``(B, S, d)``, as ``(B * rows, H, S, D)`` each.
 
-    The projection is the one the attention module runs on ``key_value_states`` (``k_proj``/``v_proj``,
-    viewed per head); ``rows > 1`` repeats each input's K/V for its hypotheses when the beams cannot
-    share them.
+    The projection is the one the attention module runs on ``key_value_states`` (the family's
+    :class:`~fastgen.continuous.families.Adapter`); ``rows > 1`` repeats each input's K/V for its
+    hypotheses when the beams cannot share them.
     """
+    family = adapter(model)
     out = []
-    for module in _cross_attention_modules(model):
-        shape = (*states.shape[:-1], -1, module.head_dim)
-        keys = module.k_proj(states).view(shape).transpose(1, 2)
-        values = module.v_proj(states).view(shape).transpose(1, 2)
+    for module in family.cross_attention(model):
+        keys, values = family.project(module, states)
         if rows > 1:
             keys, values = keys.repeat_interleave(rows, 0), values.repeat_interleave(rows, 0)
         out.append((keys.contiguous(), values.contiguous()))
@@ -66,21 +67,16 @@ def project_cross(model: Any, states: torch.Tensor, rows: int) -> list[tuple[tor
 
 @contextlib.contextmanager
 def row_positions(model: Any, positions: list[torch.Tensor]) -> Iterator[None]:
-    """While inside, the decoder's position embedding returns ``embed(positions[0][:, None])`` per row.
+    """While inside, every decoder row is at its own position ``positions[0][row]`` (the family's hooks).
 
-    ``positions`` is a one-element list the caller refills before each forward (one hook per loop).
+    ``positions`` is a one-element list the caller refills before each forward.
     """
-    module = model.get_decoder().embed_positions
-    offset = getattr(module, "offset", 0)
-
-    def hook(mod: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return torch.nn.Embedding.forward(mod, positions[0][:, None] + offset)
-
-    handle = module.register_forward_hook(hook)
+    handles = adapter(model).row_positions(model, positions)
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def decoder_step(

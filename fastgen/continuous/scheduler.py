@@ -80,7 +80,7 @@ def run_continuous(
     share = beams_can_share_cross_kv(model) if share is None else share
     cross_rows = 1 if share or beams == 1 else beams  # cross K/V rows per input
     state = SearchState(settings, device)
-    cache = SlotCache(len(model.get_decoder().layers))
+    cache = SlotCache(model_calls.decoder_layers(model))
     encoder_lengths: list[int] = []  # per running input
     queue = enumerate(inputs)
     seed_queue = iter(seeds) if seeds is not None else None

@@ -16,14 +16,12 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from fastgen.continuous.families import ADAPTERS
 from fastgen.optimizer.transformers.contract import CACHE
 
-#: ``config.model_type`` -> the decoder's learned/sinusoidal position module (``embed_positions``) is
-#: indexed by the row's position, the cross-attention module is ``layers[i].encoder_attn`` with
-#: ``k_proj``/``v_proj``: what :mod:`fastgen.continuous.model` needs to give each row its own position
-#: and to project a newcomer's cross K/V. T5 (relative position bias from the common query position)
-#: and M2M-100 (positions from the token ids) are not in it yet.
-FAMILIES = ("bart", "mbart", "marian", "pegasus")
+#: the ``config.model_type`` s served: those with an adapter (cross K/V projection, per-row positions)
+#: in :mod:`fastgen.continuous.families`
+FAMILIES = tuple(ADAPTERS)
 
 #: generation settings the scheduler implements (upstream's semantics per input)
 SUPPORTED_FIELDS = frozenset(
