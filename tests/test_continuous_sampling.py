@@ -25,7 +25,16 @@ from fastgen.continuous.settings import FAMILIES, resolve
 from tests import harness
 
 #: EOS gain per family (as the greedy/beam tests): samples end anywhere between 1 and the length limit
-EOS_GAIN = {"bart": 3.0, "mbart": 3.0, "marian": 2.0, "pegasus": 2.0, "m2m_100": 3.0, "t5": 3.0, "mt5": 2.0, "umt5": 2.0}
+EOS_GAIN = {
+    "bart": 3.0,
+    "mbart": 3.0,
+    "marian": 2.0,
+    "pegasus": 2.0,
+    "m2m_100": 3.0,
+    "t5": 3.0,
+    "mt5": 2.0,
+    "umt5": 2.0,
+}
 #: the tiny T5s' logits reach 150-300, so their samples would all be the argmax: their heads are cooled first
 HEAD_SCALE = {"t5": 0.02, "mt5": 0.02, "umt5": 0.02}
 SEED = 11
