@@ -27,7 +27,9 @@ from fastgen.continuous import model as model_calls
 from fastgen.continuous.scheduler import run_continuous
 from fastgen.continuous.settings import FAMILIES as SERVED_FAMILIES
 from fastgen.continuous.settings import resolve
+from fastgen.ops import fast_linear
 from tests import harness
+from tests.harness import requires_feature
 
 FAMILIES = SERVED_FAMILIES
 #: EOS gain per family: inputs then end anywhere between 1 and the length limit
@@ -206,6 +208,23 @@ def test_relative_bias_per_row(models, family):
             alone_bias = module.compute_bias(1, position + 1, past_seen_tokens=position)
             assert torch.equal(bias[row : row + 1, :, :, : position + 1], alone_bias), row
     assert all("compute_bias" not in module.__dict__ for module in modules), "the stock method is back"
+
+
+@requires_feature("gemm")
+@requires_feature("fast_gemm")
+def test_generate_s_gemm_scopes_run_in_continuous_batching(models):
+    """``gemm`` and the opt-in ``fast_gemm`` hook ``generate``, which continuous batching does not call:
+    the scheduler enters their scopes itself. gemm keeps the tokens (its form gives F.linear's bits)."""
+    model, inputs, kwargs = models["bart"], make_inputs(6), dict(num_beams=2, max_new_tokens=12)
+    packs = fast_linear.unavailable() is None  # else fast_gemm falls back to upstream's linears
+    runs = {}
+    for features in (["dedup"], ["dedup", "gemm"], ["dedup", "fast_gemm"]):
+        with fastgen.patched(features), fastgen.report() as report:
+            runs[features[-1]] = list(generate_many(model, inputs, batch_rows=4, **kwargs))
+        assert ("gemm" in report.ran) == ("gemm" in features), (features, str(report))
+        assert ("fast_gemm" in report.ran) == ("fast_gemm" in features and packs), (features, str(report))
+    assert all(torch.equal(a, b) for a, b in zip(runs["dedup"], runs["gemm"], strict=True))
+    assert all("forward" not in module.__dict__ for module in model.modules()), "every module's own forward is back"
 
 
 def test_gemm_row_count_changes_bits():
