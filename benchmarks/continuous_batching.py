@@ -224,9 +224,10 @@ def readme_table(paths: list[Path]) -> str:
         data = json.loads(path.read_text())
         config, env, median = data["config"], data["environment"], data["median"]
         load = ", ".join(f"{value:.1f}" for value in data["load_1min"])
+        threads = f"{env['torch_threads']} torch thread{'s' if env['torch_threads'] != 1 else ''}"
         lines.append(
-            f"`{data['command']}` ({env['device']}, {env.get('cpu_count')} cores, {env['torch_threads']} torch "
-            f"thread, 1-min load {load}; commit {str(env.get('git_commit'))[:7]}; output lengths "
+            f"`{data['command']}` ({env['device']}, {env.get('cpu_count')} cores, {threads}, 1-min load {load}; "
+            f"commit {str(env.get('git_commit'))[:7]}; output lengths "
             f"{data['output_lengths']['min']}-{data['output_lengths']['max']} tokens, mean "
             f"{data['output_lengths']['mean']:.1f}):\n"
         )
