@@ -110,14 +110,17 @@ def run_continuous(
         if not len(state):
             break
         with torch.no_grad(), linear_scope(model):
-            done = _step(model, state, cache, encoder_lengths, cross_rows, stats)
-            if any(done):
+            order, done = _step(model, state, cache, encoder_lengths, cross_rows, stats)
+            if not any(done):
+                if order is not None:
+                    cache.reorder(order)
+            else:
                 for position, is_done in enumerate(done):
                     if is_done:
                         result = state.result(position)
                         ready[result.index] = result
                 keep = [i for i, d in enumerate(done) if not d]
-                _retire(state, cache, encoder_lengths, keep, beams, cross_rows)
+                _retire(state, cache, encoder_lengths, keep, beams, cross_rows, order)
         while next_out in ready:
             yield ready.pop(next_out)
             next_out += 1
@@ -125,8 +128,9 @@ def run_continuous(
 
 def _step(
     model: Any, state: SearchState, cache: SlotCache, encoder_lengths: list[int], cross_rows: int, stats: dict
-) -> list[bool]:
-    """One decoder step of every running row and the search step after it; which inputs are done."""
+) -> tuple[torch.Tensor | None, list[bool]]:
+    """One decoder step of every running row and the search step after it: the cache rows' new order
+    (beam search; applied by the caller, together with retirements: one copy) and which inputs are done."""
     device = state.device
     lengths = state.row_lengths()
     width = max(state.host_lengths)
@@ -139,10 +143,7 @@ def _step(
         logits = model_calls.decoder_step(model, state.last_tokens(), self_mask, cross_mask, cache)
     stats["steps"] += 1
     stats["rows"] += logits.shape[0]
-    order, done = state.step(logits)
-    if order is not None:
-        cache.reorder(order)
-    return done
+    return state.step(logits)
 
 
 def _as_ids(value: Any, index: int, device: torch.device) -> torch.Tensor:
@@ -186,12 +187,21 @@ def _pad_id(model: Any) -> int:
 
 
 def _retire(
-    state: SearchState, cache: SlotCache, encoder_lengths: list[int], keep: list[int], beams: int, cross_rows: int
+    state: SearchState,
+    cache: SlotCache,
+    encoder_lengths: list[int],
+    keep: list[int],
+    beams: int,
+    cross_rows: int,
+    order: torch.Tensor | None = None,
 ) -> None:
-    """Drop the finished inputs' rows everywhere; narrow the cross K/V to the widest input left."""
+    """Drop the finished inputs' rows everywhere (after this step's beam ``order``, in the same copy);
+    narrow the cross K/V to the widest input left."""
     device = state.device
     inputs = torch.tensor(keep, dtype=torch.long, device=device)
     hyp_rows = (inputs[:, None] * beams + torch.arange(beams, device=device)).reshape(-1)
+    if order is not None:
+        hyp_rows = order.index_select(0, hyp_rows)
     cross = (inputs[:, None] * cross_rows + torch.arange(cross_rows, device=device)).reshape(-1)
     state.remove(keep)
     cache.select(hyp_rows, cross)
