@@ -22,6 +22,7 @@ from transformers import GenerationConfig
 
 import fastgen
 from fastgen.continuous import decoder_only, generate_many
+from fastgen.continuous.scheduler import linear_scope
 from fastgen.continuous.settings import DECODER_ONLY_FAMILIES, resolve
 from tests import harness
 from tests.test_continuous_batching import CASES as ENCODER_DECODER_CASES
@@ -115,7 +116,7 @@ def test_eager_attention_matches_too(family, case):
 def test_prefill_is_upstreams_bit_for_bit(models, beams):
     model = models["llama"]
     for ids in make_inputs(4, seed=3):
-        with torch.no_grad():
+        with torch.no_grad(), linear_scope(model):  # as generate_many runs it (fastgen's exact GEMM forms)
             logits, kv = decoder_only.prefill(model, ids, beams)
         ref = alone(model, ids, dict(num_beams=beams, max_new_tokens=1, output_logits=True))
         assert torch.equal(logits, ref.logits[0]) and kv[0][0].shape[-2] == len(ids)

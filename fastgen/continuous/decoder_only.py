@@ -37,7 +37,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from fastgen.continuous.cache import SlotLayer
-from fastgen.continuous.scheduler import _as_ids, _next_seed
+from fastgen.continuous.scheduler import _as_ids, _next_seed, linear_scope
 from fastgen.continuous.search import Finished, SearchState
 from fastgen.continuous.settings import Settings, cache_kwarg
 from fastgen.optimizer import registry, report
@@ -189,7 +189,7 @@ def run_decoder_only(
             if (ids := _joining(model, settings, item, seed, generate_kwargs, ready)) is not None:
                 newcomers.append((item[0], ids, seed))
         if len(state) or newcomers:
-            with torch.no_grad():
+            with torch.no_grad(), linear_scope(model):  # the GEMM forms generate would run under
                 done = _step(model, state, cache, newcomers, stats)
                 _retire(state, cache, done, ready)
         elif exhausted:
