@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fastgen.continuous.decoder_only import run_decoder_only
 from fastgen.continuous.scheduler import FEATURE, run_continuous
 from fastgen.continuous.search import Finished
 from fastgen.continuous.settings import resolve
@@ -37,7 +38,10 @@ def generate_many(
     inputs finish (continuous batching), so the batch stays at ``batch_rows`` decoder rows while there
     are inputs left.
 
-    Served: encoder-decoder models of :data:`fastgen.continuous.settings.FAMILIES`, greedy and beam
+    For a decoder-only model, as ``generate``, each result starts with the input's prompt.
+
+    Served: encoder-decoder models of :data:`fastgen.continuous.settings.FAMILIES` and decoder-only models
+    of :data:`~fastgen.continuous.settings.DECODER_ONLY_FAMILIES`, greedy and beam
     search with length penalty, early stopping, ``num_return_sequences``, ``no_repeat_ngram_size``,
     min/max (new) tokens and forced BOS/EOS; and sampling (``do_sample=True``, one beam) with
     ``temperature``, ``top_k``, ``top_p``, ``min_p`` and ``num_return_sequences`` samples per input.
@@ -66,6 +70,9 @@ def generate_many(
         fallback(FEATURE, f"{reason}: plain generate per static batch")
         return _static_batches(model, inputs, batch_rows, return_scores, generate_kwargs)
     seeds = _seeds(seed) if settings.do_sample else None
+    if not model.config.is_encoder_decoder:
+        run = run_decoder_only(model, inputs, settings, batch_rows, generate_kwargs, seeds=seeds)
+        return _results(run, return_scores)
     return _results(run_continuous(model, inputs, settings, batch_rows, seeds=seeds), return_scores)
 
 

@@ -21,6 +21,11 @@ done.
 
 Sequences are kept left-aligned in ``(rows, max_length)`` buffers filled with upstream's fill value, so
 an input's finished hypotheses come out exactly as ``generate`` returns them for it alone.
+
+Decoder-only models (:mod:`.decoder_only`): an input starts with its prompt instead of the decoder start
+token, so its prompt length (upstream's ``decoder_prompt_len``) and its length limit (``max_length``,
+derived from the prompt when ``max_new_tokens`` is set) are per-input columns too; encoder-decoder
+inputs have prompt length 1 and the call's ``max_length``.
 """
 
 from __future__ import annotations
@@ -53,29 +58,40 @@ def apply_processors(
     scores: torch.Tensor,
     host_lengths: list[int],
     group: int,
+    prompt_lengths: list[int] | None = None,
+    limits: list[int] | None = None,
 ) -> None:
     """Upstream's supported processors in upstream's order, in place, each under its per-row length condition.
 
     ``tokens`` ``(N, L)`` left-aligned, ``lengths`` ``(N,)`` valid tokens per row, ``scores`` ``(N, V)``;
     ``host_lengths`` the same lengths per input (``group`` rows each) on the host, so that the bans and
     forced steps touch only the rows they apply to, and no N x V pass runs on steps where none does.
+    ``prompt_lengths``/``limits``: per input (default: 1 and ``settings.max_length``, encoder-decoder).
     """
     eos = settings.eos_token_ids
+    prompts = prompt_lengths or [1] * len(host_lengths)
+    limits = limits or [settings.max_length] * len(host_lengths)
     if settings.no_repeat_ngram_size > 0:
         ban_repeated_ngrams(tokens, scores, settings.no_repeat_ngram_size, lengths)
 
     def rows(condition) -> torch.Tensor | None:
-        chosen = [i * group + b for i, n in enumerate(host_lengths) if condition(n) for b in range(group)]
+        """Rows of the inputs where ``condition(length, prompt_length, limit)`` holds."""
+        chosen = [
+            i * group + b
+            for i, n in enumerate(host_lengths)
+            if condition(n, prompts[i], limits[i])
+            for b in range(group)
+        ]
         return torch.tensor(chosen, dtype=torch.long, device=scores.device) if chosen else None
 
     if eos and settings.min_length > 0:
-        _ban(scores, rows(lambda n: n < settings.min_length), eos)
+        _ban(scores, rows(lambda n, p, lim: n < settings.min_length), eos)
     if eos and settings.min_new_tokens > 0:
-        _ban(scores, rows(lambda n: n - 1 < settings.min_new_tokens), eos)
+        _ban(scores, rows(lambda n, p, lim: n - p < settings.min_new_tokens), eos)
     if settings.forced_bos_token_id is not None:
-        _force(scores, rows(lambda n: n == 1), (settings.forced_bos_token_id,))
+        _force(scores, rows(lambda n, p, lim: n == 1), (settings.forced_bos_token_id,))
     if settings.forced_eos_token_ids:
-        _force(scores, rows(lambda n: n == settings.max_length - 1), settings.forced_eos_token_ids)
+        _force(scores, rows(lambda n, p, lim: n == lim - 1), settings.forced_eos_token_ids)
 
 
 def _ban(scores: torch.Tensor, rows: torch.Tensor | None, ids: tuple[int, ...]) -> None:
@@ -120,7 +136,11 @@ class SearchState:
         self.beam_search = settings.num_beams > 1
         self.indices: list[int] = []  # input index of each running input
         self.host_lengths: list[int] = []  # decoder length of each running input (host copy, no syncs)
+        self.host_prompts: list[int] = []  # prompt length of each running input (1: the decoder start token)
+        self.host_limits: list[int] = []  # length limit of each running input (prompt included)
         self.lengths = torch.zeros(0, dtype=torch.long, device=device)
+        self.prompt_lengths = torch.zeros(0, dtype=torch.long, device=device)
+        self.limits = torch.zeros(0, dtype=torch.long, device=device)
         self.tokens = torch.zeros((0, settings.max_length), dtype=torch.long, device=device)
         m = self.beams
         self.running_scores = torch.zeros((0, m), device=device)
@@ -143,20 +163,34 @@ class SearchState:
         return len(self.indices)
 
     # -- membership -----------------------------------------------------------------------------
-    def add(self, indices: list[int], seeds: list[int] | None = None) -> None:
-        """Newcomers at step 0: the decoder start token, beam 0 live and the others at -1e9 (as upstream).
+    def add(
+        self, indices: list[int], seeds: list[int] | None = None, prompts: list[torch.Tensor] | None = None
+    ) -> None:
+        """Newcomers at step 0: their prompt (default: the decoder start token), beam 0 live and the others at
+        -1e9 (as upstream).
 
         When sampling, ``seeds`` seeds each newcomer's random stream (see the module docs)."""
-        k, m, length = len(indices), self.beams, self.s.max_length
+        k, m = len(indices), self.beams
+        if prompts is None:
+            prompts = [torch.tensor([self.s.decoder_start_token_id], device=self.device)] * k
+        prompt_lengths = [len(p) for p in prompts]
+        limits = [self.s.length_limit(n) for n in prompt_lengths]
+        self._widen(max(limits))
+        length = self.tokens.shape[1]
         tokens = torch.full((k * m, length), self.s.fill_value, dtype=torch.long, device=self.device)
-        tokens[:, 0] = self.s.decoder_start_token_id
+        for i, prompt in enumerate(prompts):
+            tokens[i * m : (i + 1) * m, : len(prompt)] = prompt
         running = torch.zeros((k, m), device=self.device)
         running[:, 1:] = -1e9
         self.tokens = torch.cat([self.tokens, tokens])
         self.running_scores = torch.cat([self.running_scores, running])
-        self.lengths = torch.cat([self.lengths, torch.ones(k, dtype=torch.long, device=self.device)])
+        self.lengths = torch.cat([self.lengths, self._long(prompt_lengths)])
+        self.prompt_lengths = torch.cat([self.prompt_lengths, self._long(prompt_lengths)])
+        self.limits = torch.cat([self.limits, self._long(limits)])
         self.indices += indices
-        self.host_lengths += [1] * k
+        self.host_lengths += prompt_lengths
+        self.host_prompts += prompt_lengths
+        self.host_limits += limits
         if self.s.do_sample:
             if seeds is None or len(seeds) != k:
                 raise ValueError("sampling needs one seed per input")
@@ -169,6 +203,19 @@ class SearchState:
             self.fin_lengths = torch.cat([self.fin_lengths, torch.zeros((k, m), dtype=torch.long, device=self.device)])
             self.unsatisfied = torch.cat([self.unsatisfied, torch.ones((k, 1), dtype=torch.bool, device=self.device)])
 
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _widen(self, length: int) -> None:
+        """Grow the token buffers to ``length`` columns (a newcomer's limit can exceed everyone's so far)."""
+        missing = length - self.tokens.shape[1]
+        if missing <= 0:
+            return
+        fill = self.s.fill_value
+        self.tokens = torch.nn.functional.pad(self.tokens, (0, missing), value=fill)
+        if self.beam_search:
+            self.seqs = torch.nn.functional.pad(self.seqs, (0, missing), value=fill)
+
     def remove(self, keep: list[int]) -> None:
         """Keep only the running inputs at positions ``keep`` (ascending)."""
         inputs = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -176,8 +223,12 @@ class SearchState:
         self.tokens = self.tokens.index_select(0, rows)
         self.running_scores = self.running_scores.index_select(0, inputs)
         self.lengths = self.lengths.index_select(0, inputs)
+        self.prompt_lengths = self.prompt_lengths.index_select(0, inputs)
+        self.limits = self.limits.index_select(0, inputs)
         self.indices = [self.indices[i] for i in keep]
         self.host_lengths = [self.host_lengths[i] for i in keep]
+        self.host_prompts = [self.host_prompts[i] for i in keep]
+        self.host_limits = [self.host_limits[i] for i in keep]
         if self.s.do_sample:
             self.generators = [self.generators[i] for i in keep]
             self.unfinished = self.unfinished.index_select(0, rows)
@@ -205,11 +256,13 @@ class SearchState:
 
     def _greedy_step(self, logits: torch.Tensor) -> list[bool]:
         lengths = self.lengths
-        apply_processors(self.s, self.tokens, lengths, logits, self.host_lengths, 1)
+        apply_processors(
+            self.s, self.tokens, lengths, logits, self.host_lengths, 1, self.host_prompts, self.host_limits
+        )
         next_tokens = torch.argmax(logits, dim=-1)
         rows = torch.arange(len(self), device=self.device)
         self.tokens[rows, lengths] = next_tokens
-        hits = lengths + 1 >= self.s.max_length
+        hits = lengths + 1 >= self.limits
         if self.eos.numel():
             hits = hits | torch.isin(next_tokens, self.eos)
         self.lengths = lengths + 1
@@ -220,7 +273,9 @@ class SearchState:
         """Upstream ``_sample``'s step per input: processors, warpers, softmax, one multinomial draw per row
         from the input's own stream; finished rows get the pad token (with an EOS) until all are done."""
         r, lengths = self.beams, self.row_lengths()
-        apply_processors(self.s, self.tokens, lengths, logits, self.host_lengths, r)
+        apply_processors(
+            self.s, self.tokens, lengths, logits, self.host_lengths, r, self.host_prompts, self.host_limits
+        )
         for warper in self.warpers:
             logits = warper(self.tokens, logits)
         probs = torch.softmax(logits, dim=-1)
@@ -234,14 +289,16 @@ class SearchState:
         self.tokens[rows, lengths] = next_tokens
         self.lengths = self.lengths + 1
         self.host_lengths = [n + 1 for n in self.host_lengths]
-        done = ~self.unfinished.view(-1, r).any(dim=1) | (self.lengths >= self.s.max_length)
+        done = ~self.unfinished.view(-1, r).any(dim=1) | (self.lengths >= self.limits)
         return done.tolist()
 
     def _beam_step(self, logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
         s, m, n = self.s, self.beams, len(self)
         lengths = self.lengths  # decoder length before this token (upstream's cur_len)
         log_probs = torch.log_softmax(logits, dim=-1)
-        apply_processors(s, self.tokens, self.row_lengths(), log_probs, self.host_lengths, m)
+        apply_processors(
+            s, self.tokens, self.row_lengths(), log_probs, self.host_lengths, m, self.host_prompts, self.host_limits
+        )
         top = log_probs_top_k(log_probs, self.running_scores, self.keep)
         topk_log_probs = top.scores
         base = torch.arange(n, device=self.device)[:, None] * m
@@ -249,7 +306,7 @@ class SearchState:
         topk_tokens = self.tokens.index_select(0, source_rows)
         cols = lengths.repeat_interleave(self.keep)
         topk_tokens[torch.arange(n * self.keep, device=self.device), cols] = top.tokens.reshape(-1)
-        hits = (lengths + 1 >= s.max_length)[:, None].expand(n, self.keep)
+        hits = (lengths + 1 >= self.limits)[:, None].expand(n, self.keep)
         if self.eos.numel():
             hits = hits | torch.isin(top.tokens, self.eos)
         # e. running beams for the next step
@@ -260,7 +317,7 @@ class SearchState:
         self.tokens = topk_tokens.index_select(0, next_rows)
         cache_rows = source_rows.index_select(0, next_rows)
         # f. finished beams: upstream's _update_finished_beams with per-input generated length
-        generated = lengths  # cur_len + 1 - decoder_prompt_len, decoder_prompt_len == 1
+        generated = lengths + 1 - self.prompt_lengths  # upstream's cur_len + 1 - decoder_prompt_len
         did_finish = hits & self.top_mask[None, :]
         denominators = generated.to(torch.float64).pow(s.length_penalty).to(torch.float32)[:, None]
         candidate = topk_log_probs / denominators
@@ -270,7 +327,7 @@ class SearchState:
         candidate += (~did_finish) * -1.0e9
         merged = torch.cat((self.beam_scores, candidate), dim=1)
         merged_idx = torch.topk(merged, k=m)[1]
-        length = s.max_length
+        length = self.tokens.shape[1]
         merged_seqs = torch.cat((self.seqs, topk_tokens.view(n, self.keep, length)), dim=1)
         self.seqs = merged_seqs.gather(1, merged_idx[:, :, None].expand(n, m, length))
         self.beam_scores = merged.gather(1, merged_idx)
@@ -282,14 +339,14 @@ class SearchState:
         self.lengths = lengths + 1
         self.host_lengths = [k + 1 for k in self.host_lengths]
         if s.early_stopping == "never" and s.length_penalty > 0.0:
-            best_length = torch.full_like(self.lengths, s.max_length - 1)
+            best_length = self.limits - self.prompt_lengths
         else:
-            best_length = self.lengths - 1
+            best_length = self.lengths - self.prompt_lengths
         best_denominators = best_length.to(torch.float64).pow(s.length_penalty).to(torch.float32)[:, None]
         best_possible = self.running_scores[:, :1] / best_denominators
         worst_finished = torch.where(self.finished, torch.min(self.beam_scores, dim=1, keepdim=True)[0], -1.0e9)
         self.unsatisfied = self.unsatisfied & torch.any(best_possible > worst_finished, dim=-1, keepdim=True)
-        done = ~self.unsatisfied[:, 0] | torch.all(hits, dim=1) | (self.lengths >= s.max_length)
+        done = ~self.unsatisfied[:, 0] | torch.all(hits, dim=1) | (self.lengths >= self.limits)
         if s.early_stopping is True:
             done = done | torch.all(self.finished, dim=1)
         return cache_rows, done.tolist()
@@ -301,5 +358,5 @@ class SearchState:
         if not self.beam_search:
             rows = self.tokens[position * self.beams : (position + 1) * self.beams, : self.host_lengths[position]]
             return Finished(index, rows.clone(), None)
-        output_length = 1 + int(self.fin_lengths[position, :r].max())
+        output_length = self.host_prompts[position] + int(self.fin_lengths[position, :r].max())
         return Finished(index, self.seqs[position, :r, :output_length].clone(), self.beam_scores[position, :r].clone())

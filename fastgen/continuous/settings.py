@@ -22,6 +22,10 @@ from fastgen.optimizer.transformers.contract import CACHE
 #: the ``config.model_type`` s served: those with an adapter (cross K/V projection, per-row positions)
 #: in :mod:`fastgen.continuous.families`
 FAMILIES = tuple(ADAPTERS)
+#: decoder-only ``config.model_type`` s served (:mod:`fastgen.continuous.decoder_only`): their forward takes
+#: per-row ``position_ids`` and a 2-D attention mask, and reads the cache only through ``Cache.update``
+#: and the mask sizes, so the slot cache and per-row positions need no model code.
+DECODER_ONLY_FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "qwen3")
 
 #: generation settings the scheduler implements (upstream's semantics per input)
 SUPPORTED_FIELDS = frozenset(
@@ -92,18 +96,28 @@ class Settings:
     forced_eos_token_ids: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
-    decoder_start_token_id: int
+    decoder_start_token_id: int | None  # None for decoder-only models (their rows start with the prompt)
     # multinomial sampling (num_beams == 1) and its warpers, as generate's config holds them
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float = 1.0
     min_p: float | None = None
+    #: decoder-only: new tokens per input (``max_length`` is then derived per prompt, see :meth:`length_limit`)
+    max_new_tokens: int | None = None
+    length_cap: int | None = None  # decoder-only default length: capped at max_position_embeddings
 
     @property
     def rows_per_input(self) -> int:
         """Decoder rows per input, as ``generate`` expands them: beams, or the samples returned."""
         return self.num_return_sequences if self.do_sample else self.num_beams
+
+    def length_limit(self, prompt_length: int) -> int:
+        """An input's total length limit (prompt included), as ``generate`` derives ``max_length`` for it."""
+        if self.max_new_tokens is None:
+            return self.max_length
+        limit = prompt_length + self.max_new_tokens
+        return limit if self.length_cap is None else min(limit, self.length_cap)
 
     @property
     def fill_value(self) -> int:
@@ -129,15 +143,16 @@ def _ids(value: Any) -> tuple[int, ...]:
 def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | None]:
     """The settings of ``model.generate(**kwargs)`` for one input, or the reason this scheduler cannot serve it."""
     config = model.config
-    if not getattr(config, "is_encoder_decoder", False):
-        return None, "decoder-only models (continuous batching serves encoder-decoder models so far)"
-    if config.model_type not in FAMILIES:
-        return None, f"model type {config.model_type!r} (supported: {', '.join(FAMILIES)})"
+    decoder_only = not getattr(config, "is_encoder_decoder", False)
+    families = DECODER_ONLY_FAMILIES if decoder_only else FAMILIES
+    if config.model_type not in families:
+        return None, f"model type {config.model_type!r} (supported: {', '.join(FAMILIES + DECODER_ONLY_FAMILIES)})"
     if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return None, f"attention implementation {getattr(config, '_attn_implementation', None)!r}"
     if model.training:
         return None, "the model is in training mode"
     kwargs = dict(kwargs)
+    given_config = kwargs.get("generation_config")
     # private (listed in the contract's inventory): model config < kwargs, global defaults, as generate merges them
     gen, model_kwargs = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
     extra = sorted(k for k, v in model_kwargs.items() if v is not None)
@@ -166,10 +181,16 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
     returns = gen.num_return_sequences or 1
     if returns > beams and not gen.do_sample:
         return None, f"num_return_sequences={returns} > num_beams={beams} (upstream raises)"
-    start = gen.decoder_start_token_id if gen.decoder_start_token_id is not None else config.decoder_start_token_id
-    if start is None:
-        return None, "no decoder_start_token_id"
-    max_length = gen.max_new_tokens + 1 if gen.max_new_tokens is not None else gen.max_length
+    if decoder_only:
+        lengths = _decoder_only_lengths(model, kwargs, given_config, gen)
+    else:
+        start = gen.decoder_start_token_id if gen.decoder_start_token_id is not None else config.decoder_start_token_id
+        if start is None:
+            return None, "no decoder_start_token_id"
+        max_length = gen.max_new_tokens + 1 if gen.max_new_tokens is not None else gen.max_length
+        lengths = dict(
+            max_length=int(max_length), min_length=int(gen.min_length or 0), decoder_start_token_id=int(start)
+        )
     eos = _ids(gen.eos_token_id)
     pad = gen.pad_token_id
     if pad is None and eos:
@@ -178,8 +199,6 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
     settings = Settings(
         num_beams=beams,
         num_return_sequences=returns,
-        max_length=int(max_length),
-        min_length=int(gen.min_length or 0),
         min_new_tokens=int(gen.min_new_tokens or 0),
         length_penalty=float(gen.length_penalty),
         early_stopping=early,
@@ -188,7 +207,7 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
         forced_eos_token_ids=_ids(gen.forced_eos_token_id),
         eos_token_ids=eos,
         pad_token_id=pad,
-        decoder_start_token_id=int(start),
+        **lengths,
     )
     if gen.do_sample:
         settings = replace(
@@ -211,3 +230,30 @@ def _active_unsupported_warper(gen: GenerationConfig) -> str | None:
         if value is not None and 0.0 < value < 1.0:
             return f"{key}={value!r}"
     return None
+
+
+def _decoder_only_lengths(
+    model: Any, kwargs: dict[str, Any], given: GenerationConfig | None, gen: GenerationConfig
+) -> dict[str, Any]:
+    """Length settings of a decoder-only call, per prompt as ``generate`` derives them (its
+    ``_prepare_generated_length``): ``max_new_tokens`` wins; without it and without an explicit ``max_length``
+    the default counts new tokens, capped at ``max_position_embeddings``; ``min_new_tokens`` replaces
+    ``min_length``."""
+    default_max = (
+        kwargs.get("max_length") is None
+        and (given is None or given.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    cap = None
+    max_new = gen.max_new_tokens
+    if max_new is None and default_max:
+        max_new = GenerationConfig._get_default_generation_params()["max_length"]
+        cap = getattr(model.config, "max_position_embeddings", None)
+    min_length = 0 if gen.min_new_tokens is not None else int(gen.min_length or 0)
+    return dict(
+        max_length=int(gen.max_length or 0),
+        min_length=min_length,
+        decoder_start_token_id=None,
+        max_new_tokens=None if max_new is None else int(max_new),
+        length_cap=cap,
+    )
