@@ -7,10 +7,9 @@ own ``DynamicCache`` and ``logits_to_keep=1``), so its first-token logits are up
 the attention kernel's path and the GEMM shapes, so the first token's scores would only agree to a few
 ulps; on a CPU a prompt is already a matrix of its length, so one call per prompt costs little.
 
-The prompt's K/V are then copied into :class:`PromptSlotLayer` rows at slots ``0..len-1`` (left
-aligned, as :class:`~fastgen.continuous.cache.SlotLayer` keeps encoder-decoder rows), and the rows
-join the batch: each step, every running row feeds its newest token through the model's own forward
-with
+The prompt's K/V are then copied into new :class:`~fastgen.continuous.cache.SlotLayer` rows at slots
+``0..len-1`` (left aligned, as the layer keeps encoder-decoder rows), and the rows join the batch:
+each step, every running row feeds its newest token through the model's own forward with
 
 - ``position_ids`` ``(N, 1)``: the row's own position (rotary models and GPT-2's learned positions
   both read them);
@@ -45,29 +44,11 @@ from fastgen.optimizer import registry, report
 FEATURE = "continuous"
 
 
-class PromptSlotLayer(SlotLayer):
-    """A :class:`SlotLayer` whose new rows arrive with a prefilled prompt's K/V at slots ``0..len-1``."""
-
-    def append_prompts(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Append each prompt's ``(R, H, len, D)`` K/V as ``R`` new rows (slots past ``len`` are zeros), in one
-        copy of the buffers per step, however many newcomers join."""
-        if not self.is_initialized:
-            self.lazy_initialization(keys[0][:0], values[0][:0])
-        self.reserve(max(k.shape[-2] for k in keys))
-        capacity = self.keys.shape[-2]
-        self.keys = torch.cat([self.keys, *(_pad_to(k, capacity) for k in keys)], 0)
-        self.values = torch.cat([self.values, *(_pad_to(v, capacity) for v in values)], 0)
-
-
-def _pad_to(tensor: torch.Tensor, slots: int) -> torch.Tensor:
-    return torch.nn.functional.pad(tensor, (0, 0, 0, slots - tensor.shape[-2]))
-
-
 class PromptSlotCache:
-    """One :class:`PromptSlotLayer` per decoder layer, inside a ``DynamicCache`` the model reads."""
+    """One :class:`~fastgen.continuous.cache.SlotLayer` per decoder layer, inside a ``DynamicCache`` the model reads."""
 
     def __init__(self, num_layers: int) -> None:
-        self.layers = [PromptSlotLayer() for _ in range(num_layers)]
+        self.layers = [SlotLayer() for _ in range(num_layers)]
         self.cache = DynamicCache()
         self.cache.layers = list(self.layers)
 
@@ -83,7 +64,8 @@ class PromptSlotCache:
     def append(self, prompts_kv: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """New rows for the newcomers: ``prompts_kv[i][layer]`` is prompt ``i``'s K/V at that layer."""
         for index, layer in enumerate(self.layers):
-            layer.append_prompts([kv[index][0] for kv in prompts_kv], [kv[index][1] for kv in prompts_kv])
+            for kv in prompts_kv:
+                layer.append_prefilled(*kv[index])
 
 
 def sliding_window(config: Any) -> int | None:
