@@ -172,8 +172,8 @@ def run_decoder_only(
                 newcomers.append((item[0], ids, seed))
         if len(state) or newcomers:
             with torch.no_grad(), linear_scope(model):  # the GEMM forms generate would run under
-                done = _step(model, state, cache, newcomers, stats)
-                _retire(state, cache, done, ready)
+                order, done = _step(model, state, cache, newcomers, stats)
+                _retire(state, cache, order, done, ready)
         elif exhausted:
             break
         while next_out in ready:
@@ -217,8 +217,10 @@ def _step(
     cache: PromptSlotCache,
     newcomers: list[tuple[int, torch.Tensor, int | None]],
     stats: dict[str, int],
-) -> list[bool]:
-    """The running rows' decode step and the newcomers' prefills, then one search step over all rows."""
+) -> tuple[torch.Tensor | None, list[bool]]:
+    """The running rows' decode step and the newcomers' prefills, then one search step over all rows: the
+    cache rows' new order (beam search; applied by :func:`_retire`, with retirements, in one copy) and
+    which inputs are done."""
     logits = []
     if len(state):
         width = max(state.host_lengths)
@@ -235,15 +237,21 @@ def _step(
         cache.append(prompts_kv)
         seeds = [seed for _, _, seed in newcomers] if state.s.do_sample else None
         state.add([index for index, _, _ in newcomers], seeds, [ids for _, ids, _ in newcomers])
-    order, done = state.step(torch.cat(logits) if len(logits) > 1 else logits[0])
-    if order is not None:
-        cache.select(order)
-    return done
+    return state.step(torch.cat(logits) if len(logits) > 1 else logits[0])
 
 
-def _retire(state: SearchState, cache: PromptSlotCache, done: list[bool], ready: dict[int, Finished]) -> None:
-    """Move the finished inputs' results to ``ready`` and drop their rows."""
+def _retire(
+    state: SearchState,
+    cache: PromptSlotCache,
+    order: torch.Tensor | None,
+    done: list[bool],
+    ready: dict[int, Finished],
+) -> None:
+    """Apply the beam ``order`` to the cache and, in the same copy, drop the finished inputs' rows (their
+    results go to ``ready``)."""
     if not any(done):
+        if order is not None:
+            cache.select(order)
         return
     for position, is_done in enumerate(done):
         if is_done:
@@ -253,4 +261,4 @@ def _retire(state: SearchState, cache: PromptSlotCache, done: list[bool], ready:
     inputs = torch.tensor(keep, dtype=torch.long, device=state.device)
     rows = (inputs[:, None] * state.beams + torch.arange(state.beams, device=state.device)).reshape(-1)
     state.remove(keep)
-    cache.select(rows)
+    cache.select(rows if order is None else order.index_select(0, rows))
