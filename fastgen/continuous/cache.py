@@ -35,7 +35,8 @@ class SlotLayer(DynamicLayer):
 
     Storage is row-major, ``(rows, slots, heads * head_dim)`` (the attention reads a strided
     ``(rows, heads, width, head_dim)`` view of it), and doubled: a beam reorder or a retirement copies
-    the running rows' first slots into the spare buffer with one ``index_select`` and swaps the two.
+    the slots in use (up to the last step's width) into the spare buffer with one ``index_select`` and
+    swaps the two.
     Why: the reorder runs every beam step over every row, and rows of a continuous batch are of mixed
     ages, so it is the largest cost of the step outside the model (a head-major buffer copied whole
     cost about a sixth of a 64-row bart-base step). Row-major, each row's slots are one contiguous
@@ -51,6 +52,7 @@ class SlotLayer(DynamicLayer):
         self.width = 0
         self.rows = 0  # running rows: the first ``rows`` of the buffers
         self._clean = 0  # slots below this are written or zero in every running row
+        self._used = 0  # slots below this may hold entries (what a reorder copies)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # (keys, values)
         self._spares: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -74,6 +76,7 @@ class SlotLayer(DynamicLayer):
         keys, values = self._buffers
         keys[index, self.positions] = key_states[:, :, 0].reshape(rows, -1)
         values[index, self.positions] = value_states[:, :, 0].reshape(rows, -1)
+        self._used = self.width  # every running row's length is at most the width
         self.keys = _heads_view(keys, rows, self.width, self.key_heads)
         self.values = _heads_view(values, rows, self.width, self.value_heads)
         return self.keys, self.values
@@ -111,11 +114,12 @@ class SlotLayer(DynamicLayer):
         if not self.is_initialized:
             self.rows = len(rows)
             return
-        count = len(rows)
+        count, used = len(rows), self._used
         for buffer, spare in zip(self._buffers, self._spares, strict=True):
-            torch.index_select(buffer[: self.rows, : self._clean], 0, rows, out=spare[:count, : self._clean])
+            torch.index_select(buffer[: self.rows, :used], 0, rows, out=spare[:count, :used])
         self._buffers, self._spares = self._spares, self._buffers
         self.rows = count
+        self._clean = used  # the spare's slots past ``used`` may hold older entries: zeroed as the width grows
 
     def append_rows(self, count: int) -> None:
         """``count`` new empty (zero) rows at the end (their slots are written as they decode)."""
@@ -133,6 +137,7 @@ class SlotLayer(DynamicLayer):
         start = self.rows
         self.append_rows(count)
         self._ensure(self.rows, length)
+        self._used = max(self._used, length)
         for buffer, states in zip(self._buffers, (keys, values), strict=True):
             buffer[start : self.rows, :length] = states.transpose(1, 2).reshape(count, length, -1)
 
