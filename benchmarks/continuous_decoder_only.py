@@ -3,7 +3,8 @@
     python -m benchmarks.continuous_decoder_only --shape gpt2 --inputs 200 --batch-size 16
 
 A "file" of ``--inputs`` random prompts (token counts uniform in ``[--min-input, --max-input]``) is
-generated greedily four ways, alternating in one process (round-robin, medians):
+generated four ways (greedy; ``--do-sample``: sampling, each variant from its own random streams,
+so "equal outputs" means nothing there), alternating in one process (round-robin, medians):
 
 - ``continuous``: :func:`fastgen.generate_many` with ``batch_size`` rows, fed longest prompt first;
 - ``static-fastgen``: ``model.generate`` (fastgen on) on consecutive length-sorted, left-padded batches
@@ -104,13 +105,14 @@ def new_tokens(sequence: list[int], eos: int) -> list[int]:
 def run_variant(name: str, model: Any, ordered: list[torch.Tensor], args: argparse.Namespace) -> list[list[int]]:
     """Each prompt's new tokens (up to EOS)."""
     eos, pad = model.config.eos_token_id, model.config.pad_token_id
-    kwargs = dict(num_beams=1, do_sample=False, max_new_tokens=args.max_new_tokens)
+    kwargs = dict(num_beams=1, do_sample=args.do_sample, max_new_tokens=args.max_new_tokens)
+    torch.manual_seed(args.seed)  # sampling: each variant draws from its own streams (outputs not comparable)
     if name == "continuous":
-        results = fastgen.generate_many(model, ordered, batch_rows=args.batch_size, **kwargs)
+        results = fastgen.generate_many(model, ordered, batch_rows=args.batch_size, seed=args.seed, **kwargs)
         return [new_tokens(r[0, len(ids) :].tolist(), eos) for ids, r in zip(ordered, results, strict=True)]
     if name == "hf-generate-batch":
         config = transformers.GenerationConfig(
-            max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad
+            max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, eos_token_id=eos, pad_token_id=pad
         )
         with fastgen.unpatched(), torch.inference_mode():
             out = model.generate_batch(inputs=[ids.tolist() for ids in ordered], generation_config=config)
@@ -143,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--eos-gain", type=float, default=7.0)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--do-sample", action="store_true", help="sample (upstream's default top_k=50) instead of greedy search"
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
