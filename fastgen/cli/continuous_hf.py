@@ -7,7 +7,8 @@ num_beams`` decoder rows, so the batch never drains between batches or windows; 
 in feed order and are handed to the pipeline as the plan's batches (padded like ``generate``'s
 output), so the journal, ``--resume``, the output order and the progress bar see what they saw before.
 
-Runs that continuous batching does not serve (decoder-only models, beam sampling, other families or
+Decoder-only results start with their prompt, which is cut off here (the pipeline takes new tokens).
+Runs that continuous batching does not serve (beam sampling, other families or
 arguments: see :func:`fastgen.continuous.settings.resolve`) keep the static batches, with one log line
 saying why. Sampling is seeded per input line, not per batch (a line's batch neighbours change as
 others finish): with ``--seed S`` line ``k`` (0-based in the input file) is sampled from seed ``S + k``,
@@ -42,6 +43,9 @@ class ContinuousBatches:
         rows: int,
         seed: int | None = None,
     ):
+        self._lines = lines
+        #: decoder-only results start with their prompt; the pipeline takes only the new tokens
+        self._strip_prompt = not model.config.is_encoder_decoder
         feed = (lines[i].ids for batch in batches for i in batch.indices)
         seeds = None if seed is None else (seed + i for batch in batches for i in batch.indices)
         self._results = generate_many(model, feed, batch_rows=rows, seed=seeds, **kwargs)
@@ -51,6 +55,8 @@ class ContinuousBatches:
         if not batch.indices:
             return None
         rows = [next(self._results)[0] for _ in batch.indices]
+        if self._strip_prompt:
+            rows = [row[len(self._lines[i].ids) :] for row, i in zip(rows, batch.indices, strict=True)]
         out = torch.full((len(rows), max(len(r) for r in rows)), pad, dtype=torch.long, device=rows[0].device)
         for index, row in enumerate(rows):
             out[index, : len(row)] = row
@@ -67,9 +73,6 @@ def start(
 ) -> ContinuousBatches | None:
     """A continuous stream for these batches, or None (static batches) when it cannot serve the run."""
     settings, reason = resolve(model, kwargs)
-    if reason is None and not model.config.is_encoder_decoder:
-        # generate_many returns prompt + new tokens unpadded; the pipeline expects generate's left-padded layout
-        reason = "decoder-only models (not wired into the CLI's output layout yet)"
     if reason is not None:
         logger.info("static batches: continuous batching does not serve this run (%s)", reason)
         return None

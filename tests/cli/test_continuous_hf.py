@@ -14,6 +14,7 @@ import torch
 import fastgen
 from fastgen.cli.generate_hf import load_model, load_tokenizer, main
 from fastgen.cli.hf_inputs import read_lines
+from scripts import make_tiny_model
 from tests.cli.test_generate_hf import _KILLER
 from tests.cli.tiny_files import bart_and_inputs
 
@@ -22,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return bart_and_inputs(tmp_path_factory.mktemp("cbatch"), sentences=30, max_words=16)
+    root = tmp_path_factory.mktemp("cbatch")
+    return {**bart_and_inputs(root, sentences=30, max_words=16), "gpt2": make_tiny_model.make(root / "gpt2", "gpt2")}
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture) -> int:
@@ -33,8 +35,10 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture) -> int:
 
 
 def alone_outputs(model_dir: Path, inputs: Path, seed: int | None = None, **kwargs) -> list[str]:
-    """Upstream generate on each line alone, decoded as the CLI decodes (line k seeded with ``seed + k``)."""
-    tokenizer = load_tokenizer(model_dir, False)
+    """Upstream generate on each line alone, decoded as the CLI decodes (line k seeded with ``seed + k``;
+    a decoder-only model's prompt cut off)."""
+    causal = "gpt2" in model_dir.name
+    tokenizer = load_tokenizer(model_dir, causal)
     model = load_model(model_dir, "cpu", "float32")
     texts = []
     for k, line in enumerate(read_lines(inputs)):
@@ -43,6 +47,8 @@ def alone_outputs(model_dir: Path, inputs: Path, seed: int | None = None, **kwar
             torch.manual_seed(seed + k)
         with fastgen.unpatched(), torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+        if causal:
+            out = out[:, ids.shape[1] :]
         texts.append(tokenizer.batch_decode(out, skip_special_tokens=True)[0].replace("\n", "\\n"))
     return texts
 
@@ -62,6 +68,21 @@ def test_continuous_equals_generate_alone_and_static_batches(files, tmp_path, ca
         assert run_cli([*args, "--output", str(static)], capsys) == 0
     assert "continuous batching" not in caplog.text
     assert static.read_text() == out.read_text()  # on this tiny model padding flips no token
+
+
+@pytest.mark.parametrize("mode", [["--gen", "do_sample=false"], ["--num-beams", "2", "--no-repeat-ngram-size", "2"]])
+def test_decoder_only_equals_generate_alone(files, tmp_path, capsys, caplog, mode):
+    """A decoder-only model through the continuous stream: the prompt is cut off, as in static batches."""
+    out = tmp_path / "out.txt"
+    args = [str(files["gpt2"]), "--input", str(files["inputs"]), "--output", str(out), "--max-new-tokens", "8"]
+    args += ["--batch-size", "3", "--sort-window", "9", "--postprocess-workers", "0", "--continuous-batching", *mode]
+    with caplog.at_level(logging.INFO, logger="fastgen.cli.generate_hf"):
+        assert run_cli(args, capsys) == 0
+    assert "continuous batching:" in caplog.text
+    kwargs = dict(do_sample=False) if "do_sample=false" in mode else dict(num_beams=2, no_repeat_ngram_size=2)
+    expected = alone_outputs(files["gpt2"], files["inputs"], max_new_tokens=8, **kwargs)
+    assert out.read_text().split("\n")[:-1] == expected
+    assert len(set(expected)) > 10, "outputs are degenerate; the comparison would be weak"
 
 
 def test_sampling_seeds_each_line(files, tmp_path, capsys, caplog):
