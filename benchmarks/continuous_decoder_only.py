@@ -151,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--table", type=Path, nargs="+", default=None, help="print the README table of these results")
     args = parser.parse_args(argv)
+    if args.table:
+        print(readme_table(args.table))
+        return 0
 
     model = build(args.shape, args.eos_gain, args.seed)
     inputs = make_inputs(args.inputs, args.min_input, args.max_input, model.config.vocab_size, args.seed + 1)
@@ -220,6 +224,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is not None:
         args.output.write_text(text + "\n")
     return 0
+
+
+def readme_table(paths: list[Path]) -> str:
+    """The README's table from result files (``python -m benchmarks.continuous_decoder_only --table A.json ...``)."""
+    lines = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        env, median, out = data["environment"], data["median"], data["output_lengths"]
+        load = ", ".join(f"{value:.1f}" for value in data["load_1min"])
+        threads = f"{env['torch_threads']} torch thread{'s' if env['torch_threads'] != 1 else ''}"
+        lines.append(
+            f"`{data['command']}` ({env['device']}, {env.get('cpu_count')} cores, {threads}, 1-min load {load}; "
+            f"commit {str(env.get('git_commit'))[:7]}; new tokens {out['min']}-{out['max']}, mean {out['mean']:.1f}):\n"
+        )
+        lines.append(
+            "| variant | wall s | samples/s | tokens/s | CPU s | forwards | rows/decode step | equal outputs |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for name in VARIANTS:
+            if name not in median:
+                continue
+            r = median[name]
+            rows = f"{r['avg_rows_per_decode_step']:.1f}" if r["avg_rows_per_decode_step"] else "packed"
+            lines.append(
+                f"| {name} | {r['seconds']:.0f} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
+                f"{r['cpu_seconds']:.0f} | {r['forwards']} | {rows} | "
+                f"{r.get('outputs_equal_to_continuous', '-')}/{data['config']['inputs']} |"
+            )
+        speedups = [
+            f"{key[len('speedup_vs_') :]}: {value:.2f}x"
+            for key, value in median.items()
+            if key.startswith("speedup_vs_")
+        ]
+        lines.append("\ncontinuous speedup vs " + "; ".join(speedups) + "\n")
+    return "\n".join(lines)
 
 
 def _histogram(values: list[int], width: int) -> dict[str, int]:
