@@ -1,4 +1,5 @@
-"""``fastgen-generate-hf`` on continuous batching (``--continuous-batching``, where it serves the run).
+"""``fastgen-generate-hf`` on continuous batching (the default where it serves the run; ``--no-continuous-batching``
+gives static batches).
 
 The plan (windows, length-sorted batches, journal units, data-parallel split) is unchanged: this
 module only replaces *how* a batch's outputs are computed. All of this rank's remaining inputs are fed,
@@ -26,7 +27,7 @@ import torch
 
 from fastgen.cli.hf_inputs import Batch, InputLine
 from fastgen.continuous import generate_many
-from fastgen.continuous.settings import resolve
+from fastgen.continuous.settings import Settings, resolve
 
 logger = logging.getLogger("fastgen.cli.generate_hf")
 
@@ -63,19 +64,24 @@ class ContinuousBatches:
         return out
 
 
+def serves(model: Any, kwargs: dict) -> Settings | None:
+    """The run's settings when continuous batching serves it, else None (logged: static batches, and why)."""
+    settings, reason = resolve(model, kwargs)
+    if reason is not None:
+        logger.info("static batches: continuous batching does not serve this run (%s)", reason)
+    return settings
+
+
 def start(
     model: Any,
     lines: Sequence[InputLine],
     batches: Sequence[Batch],
     kwargs: dict,
     batch_size: int,
+    settings: Settings,
     seed: int | None = None,
-) -> ContinuousBatches | None:
-    """A continuous stream for these batches, or None (static batches) when it cannot serve the run."""
-    settings, reason = resolve(model, kwargs)
-    if reason is not None:
-        logger.info("static batches: continuous batching does not serve this run (%s)", reason)
-        return None
+) -> ContinuousBatches:
+    """A continuous stream for these batches (``settings``: from :func:`serves`)."""
     per_input = settings.rows_per_input
     rows = batch_size * per_input
     what = "samples" if settings.do_sample else "beams"

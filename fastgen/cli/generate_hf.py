@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed",
         type=int,
         default=None,
-        help="seed batch k with SEED + k (reproducible sampling); with --continuous-batching: input line k (0-based) "
-        "with SEED + k",
+        help="reproducible sampling: input line k (0-based) is sampled from seed SEED + k under continuous "
+        "batching (the default), batch k under --no-continuous-batching",
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -95,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress-bar", action="store_true")
     parser.add_argument(
         "--continuous-batching",
-        action="store_true",
-        help="refill the batch as inputs finish (encoder-decoder greedy/beam/sampling; off by default: on this CPU it "
-        "measured 0.96-1.09x the static batches, see the README)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="refill the batch as inputs finish, for the runs it serves (default; see the README); "
+        "--no-continuous-batching: static length-sorted batches, one generate call each",
     )
     add_pipeline_args(parser)
     return parser
@@ -293,8 +294,12 @@ def _run(
         "world": world.size,
         "rank": world.rank,
     }
-    if args.continuous_batching:  # only then: journals written without the flag still resume
+    from fastgen.cli import continuous_hf  # imports Transformers: not at module import (--help stays fast)
+
+    stream = continuous_hf.serves(model, kwargs) if args.continuous_batching else None
+    if stream is not None and stream.do_sample:  # only sampling seeds differently (per line, not per batch)
         header["continuous_batching"] = True
+
     journal = Journal(world.part(args.output), header, resume=args.resume)
     done = journal.done_units
     mine = [b for b in batches if b.window % world.size == world.rank and b.window not in done]
@@ -324,12 +329,10 @@ def _run(
     pad = tokenizer.pad_token_id
     start_time = time.perf_counter()
     with AsyncPipeline(offload, decode_batch, commit, executor=executor, serial=args.no_pipeline) as pipeline:
-        from fastgen.cli import continuous_hf  # imports Transformers: not at module import (--help stays fast)
-
         continuous = (
             None
-            if not args.continuous_batching
-            else continuous_hf.start(model, lines, mine, kwargs, args.batch_size, args.seed)
+            if stream is None
+            else continuous_hf.start(model, lines, mine, kwargs, args.batch_size, stream, args.seed)
         )
         for batch in mine:
             new_tokens = None

@@ -1,4 +1,5 @@
-"""``fastgen-generate-hf`` with ``--continuous-batching`` and without (static batches, the default)."""
+"""``fastgen-generate-hf`` on continuous batching (the default) and with ``--no-continuous-batching`` (static
+batches)."""
 
 from __future__ import annotations
 
@@ -58,14 +59,14 @@ def test_continuous_equals_generate_alone_and_static_batches(files, tmp_path, ca
     args = [str(files["bart"]), "--input", str(files["inputs"]), "--batch-size", "3", "--sort-window", "9"]
     args += ["--num-beams", "3", "--no-repeat-ngram-size", "2", "--max-new-tokens", "10", "--postprocess-workers", "0"]
     with caplog.at_level(logging.INFO, logger="fastgen.cli.generate_hf"):
-        assert run_cli([*args, "--output", str(out), "--continuous-batching"], capsys) == 0
+        assert run_cli([*args, "--output", str(out)], capsys) == 0  # the default
     assert "continuous batching: 9 decoder rows" in caplog.text
     expected = alone_outputs(files["bart"], files["inputs"], num_beams=3, no_repeat_ngram_size=2, max_new_tokens=10)
     assert out.read_text().split("\n")[:-1] == expected
     assert len(set(expected)) > 10, "outputs are degenerate; the comparison would be weak"
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fastgen.cli.generate_hf"):
-        assert run_cli([*args, "--output", str(static)], capsys) == 0
+        assert run_cli([*args, "--output", str(static), "--no-continuous-batching"], capsys) == 0
     assert "continuous batching" not in caplog.text
     assert static.read_text() == out.read_text()  # on this tiny model padding flips no token
 
@@ -105,7 +106,7 @@ def test_beam_sampling_keeps_static_batches_with_their_seeds(files, tmp_path, ca
     args = [str(files["bart"]), "--input", str(files["inputs"]), "--output", str(out), "--max-new-tokens", "5"]
     args += ["--gen", "do_sample=true", "--num-beams", "2", "--seed", "3", "--postprocess-workers", "0"]
     with caplog.at_level(logging.INFO, logger="fastgen.cli.generate_hf"):
-        assert run_cli([*args, "--continuous-batching"], capsys) == 0
+        assert run_cli(args, capsys) == 0
     assert "static batches: continuous batching does not serve this run (do_sample=True with num_beams > 1" in (
         caplog.text
     )
@@ -116,7 +117,6 @@ def test_resume_after_kill_equals_uninterrupted_run(files, tmp_path, capsys, kil
     full, resumed = tmp_path / "full.txt", tmp_path / "resumed.txt"
     args = [str(files["bart"]), "--input", str(files["inputs"]), "--batch-size", "3", "--sort-window", "6"]
     args += ["--max-new-tokens", "8", "--num-beams", "2", "--postprocess-workers", "0", "--no-progress-bar"]
-    args += ["--continuous-batching"]
     assert run_cli([*args, "--output", str(full)], capsys) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     killed = subprocess.run(

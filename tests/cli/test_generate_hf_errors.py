@@ -63,6 +63,7 @@ def test_interrupted_run_keeps_the_old_output_and_resumes(setup, tmp_path, capsy
         "--sort-window",
         "4",
         "--no-pipeline",
+        "--no-continuous-batching",  # the interruption is planted in the static batches' generate call
     ]
     assert run([*args, "--output", str(full)], capsys)[0] == 0
     out.write_text(PRECIOUS)
