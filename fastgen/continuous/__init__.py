@@ -1,4 +1,5 @@
-"""Continuous batching for encoder-decoder greedy search, beam search and sampling (issue 19): :func:`generate_many`."""
+"""Continuous batching for greedy search, beam search and sampling, encoder-decoder and decoder-only (issue 19):
+:func:`generate_many`."""
 
 from fastgen.continuous.api import generate_many
 
