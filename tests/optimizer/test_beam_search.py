@@ -167,7 +167,9 @@ def test_plain_tensor_output(models, steps, family):
         (dict(output_attentions=True), "output_attentions=True"),
     ],
 )
-def test_unsupported_arguments_run_upstream_with_one_warning(models, steps, caplog, kwargs, named):
+def test_unsupported_arguments_run_upstream_with_one_warning(models, steps, caplog, monkeypatch, kwargs, named):
+    # the warning is once per process: forget earlier tests' (the CLI tests fall back for beam sampling too)
+    monkeypatch.setattr(registry._state, "warned", set())
     model = models["bart"]
     inputs = harness.tiny_inputs(model, batch=3)
     with caplog.at_level(logging.WARNING, logger="fastgen"):
