@@ -24,7 +24,8 @@ import fastgen
 from fastgen.continuous import decoder_only, generate_many
 from fastgen.continuous.scheduler import linear_scope
 from fastgen.continuous.settings import DECODER_ONLY_FAMILIES, resolve
-from tests import harness
+from tests import continuous_cases, harness
+from tests.continuous_cases import alone, make_inputs
 from tests.test_continuous_batching import CASES as ENCODER_DECODER_CASES
 
 FAMILIES = DECODER_ONLY_FAMILIES
@@ -38,33 +39,12 @@ CASES = {
 
 
 def eos_model(family: str, attention: str = "sdpa"):
-    model = harness.tiny_hf_model(family)
-    model.set_attn_implementation(attention)
-    with torch.no_grad():
-        model.get_output_embeddings().weight[harness.EOS] *= EOS_GAIN[family]
-    return model
+    return continuous_cases.eos_model(family, EOS_GAIN[family], attention=attention)
 
 
 @pytest.fixture(scope="module")
 def models():
     return {family: eos_model(family) for family in FAMILIES}
-
-
-def make_inputs(count: int = 10, seed: int = 1) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 40, (count,), generator=generator).tolist()
-    return [torch.randint(3, harness.VOCAB, (n,), generator=generator) for n in lengths]
-
-
-def alone(model, ids: torch.Tensor, kwargs: dict):
-    with fastgen.unpatched(), torch.inference_mode():
-        return model.generate(
-            input_ids=ids[None],
-            attention_mask=torch.ones_like(ids[None]),
-            return_dict_in_generate=True,
-            output_scores=True,
-            **kwargs,
-        )
 
 
 def assert_matches_alone(model, inputs, kwargs, results) -> list[list[int]]:

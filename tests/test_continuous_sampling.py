@@ -22,7 +22,8 @@ from fastgen.continuous import generate_many
 from fastgen.continuous.scheduler import run_continuous
 from fastgen.continuous.search import SearchState
 from fastgen.continuous.settings import FAMILIES, resolve
-from tests import harness
+from tests import continuous_cases, harness
+from tests.continuous_cases import make_inputs
 
 #: EOS gain per family (as the greedy/beam tests): samples end anywhere between 1 and the length limit
 EOS_GAIN = {
@@ -51,22 +52,12 @@ CASES = {
 
 
 def eos_model(family: str):
-    model = harness.tiny_hf_model(family)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(HEAD_SCALE.get(family, 1.0))
-        model.get_output_embeddings().weight[harness.EOS] *= EOS_GAIN[family]
-    return model
+    return continuous_cases.eos_model(family, EOS_GAIN[family], HEAD_SCALE.get(family, 1.0))
 
 
 @pytest.fixture(scope="module")
 def models():
     return {family: eos_model(family) for family in FAMILIES}
-
-
-def make_inputs(count: int = 10, seed: int = 1) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 40, (count,), generator=generator).tolist()
-    return [torch.randint(3, harness.VOCAB, (n,), generator=generator) for n in lengths]
 
 
 def alone(model, ids: torch.Tensor, seed: int, kwargs: dict) -> torch.Tensor:
