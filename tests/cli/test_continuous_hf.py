@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fastgen
+from fastgen.cli import journal
 from fastgen.cli.generate_hf import load_model, load_tokenizer, main
 from fastgen.cli.hf_inputs import read_lines
 from scripts import make_tiny_model
@@ -130,3 +131,21 @@ def test_resume_after_kill_equals_uninterrupted_run(files, tmp_path, capsys, kil
     assert not partial.exists() or len(partial.read_bytes()) < len(full.read_bytes())
     assert run_cli([*args, "--output", str(resumed), "--resume"], capsys) == 0
     assert resumed.read_text() == full.read_text()
+
+
+def test_journal_records_continuous_batching_only_where_seeding_differs(files, tmp_path, capsys):
+    """Greedy/beam journals are the same either way (so they resume either way); sampling ones are not."""
+    base = [str(files["bart"]), "--input", str(files["inputs"]), "--max-new-tokens", "4", "--batch-size", "3"]
+    base += ["--postprocess-workers", "0"]
+    headers = {}
+    for name, extra in {
+        "beam": ["--num-beams", "2"],
+        "beam-static": ["--num-beams", "2", "--no-continuous-batching"],
+        "sample": ["--gen", "do_sample=true", "--seed", "1"],
+        "sample-static": ["--gen", "do_sample=true", "--seed", "1", "--no-continuous-batching"],
+    }.items():
+        out = tmp_path / f"{name}.txt"
+        assert run_cli([*base, *extra, "--output", str(out)], capsys) == 0
+        headers[name] = journal.read_index(journal.index_path(out))[0]
+    assert headers["beam"] == headers["beam-static"] and "continuous_batching" not in headers["beam"]
+    assert headers["sample"] == {**headers["sample-static"], "continuous_batching": True}
