@@ -37,7 +37,7 @@ import torch
 import transformers
 
 import fastgen
-from benchmarks.measure import environment, rotating_order
+from benchmarks.measure import environment, length_summary, rotating_order, run_heading
 from benchmarks.scenarios import SCENARIOS
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -200,12 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment("cpu"),
         "config": vars(args) | {"output": str(args.output) if args.output else None},
         "load_1min": load,
-        "output_lengths": {
-            "min": min(lengths),
-            "max": max(lengths),
-            "mean": statistics.mean(lengths),
-            "histogram_by_8": _histogram(lengths, 8),
-        },
+        "output_lengths": length_summary(lengths),
         "input_lengths": {"min": min(map(len, inputs)), "max": max(map(len, inputs))},
         "runs": runs,
         "median": summary,
@@ -222,15 +217,8 @@ def readme_table(paths: list[Path]) -> str:
     lines = []
     for path in paths:
         data = json.loads(path.read_text())
-        config, env, median = data["config"], data["environment"], data["median"]
-        load = ", ".join(f"{value:.1f}" for value in data["load_1min"])
-        threads = f"{env['torch_threads']} torch thread{'s' if env['torch_threads'] != 1 else ''}"
-        lines.append(
-            f"`{data['command']}` ({env['device']}, {env.get('cpu_count')} cores, {threads}, 1-min load {load}; "
-            f"commit {str(env.get('git_commit'))[:7]}; output lengths "
-            f"{data['output_lengths']['min']}-{data['output_lengths']['max']} tokens, mean "
-            f"{data['output_lengths']['mean']:.1f}):\n"
-        )
+        config, median = data["config"], data["median"]
+        lines.append(run_heading(data, "output lengths"))
         lines.append(
             "| variant | wall s | samples/s | tokens/s | CPU s | tokens/CPU s | steps | rows/step | equal outputs |"
         )
@@ -252,15 +240,6 @@ def readme_table(paths: list[Path]) -> str:
         ]
         lines.append("\n" + "; ".join(ratios) + "\n")
     return "\n".join(lines)
-
-
-def _histogram(values: list[int], width: int) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for value in values:
-        low = (value // width) * width
-        key = f"{low}-{low + width - 1}"
-        counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: int(kv[0].split("-")[0])))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import torch
 import transformers
 
 import fastgen
-from benchmarks.measure import environment, rotating_order
+from benchmarks.measure import environment, length_summary, rotating_order, run_heading
 from benchmarks.scenarios import SCENARIOS
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -209,12 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment("cpu"),
         "config": vars(args) | {"output": str(args.output) if args.output else None},
         "load_1min": load,
-        "output_lengths": {
-            "min": min(lengths),
-            "max": max(lengths),
-            "mean": statistics.mean(lengths),
-            "histogram_by_8": _histogram(lengths, 8),
-        },
+        "output_lengths": length_summary(lengths),
         "input_lengths": {"min": min(map(len, inputs)), "max": max(map(len, inputs))},
         "runs": runs,
         "median": summary,
@@ -231,13 +226,8 @@ def readme_table(paths: list[Path]) -> str:
     lines = []
     for path in paths:
         data = json.loads(path.read_text())
-        env, median, out = data["environment"], data["median"], data["output_lengths"]
-        load = ", ".join(f"{value:.1f}" for value in data["load_1min"])
-        threads = f"{env['torch_threads']} torch thread{'s' if env['torch_threads'] != 1 else ''}"
-        lines.append(
-            f"`{data['command']}` ({env['device']}, {env.get('cpu_count')} cores, {threads}, 1-min load {load}; "
-            f"commit {str(env.get('git_commit'))[:7]}; new tokens {out['min']}-{out['max']}, mean {out['mean']:.1f}):\n"
-        )
+        median = data["median"]
+        lines.append(run_heading(data, "new tokens"))
         lines.append(
             "| variant | wall s | samples/s | tokens/s | CPU s | forwards | rows/decode step | equal outputs |"
         )
@@ -259,14 +249,6 @@ def readme_table(paths: list[Path]) -> str:
         ]
         lines.append("\ncontinuous speedup vs " + "; ".join(speedups) + "\n")
     return "\n".join(lines)
-
-
-def _histogram(values: list[int], width: int) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for value in sorted(values):
-        low = (value // width) * width
-        counts[f"{low}-{low + width - 1}"] = counts.get(f"{low}-{low + width - 1}", 0) + 1
-    return counts
 
 
 if __name__ == "__main__":

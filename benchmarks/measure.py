@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
 import threading
 import time
@@ -151,3 +152,29 @@ def _git_commit() -> str | None:
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def length_summary(lengths: list[int], width: int = 8) -> dict[str, Any]:
+    """Min, max, mean and a histogram in bins of ``width`` of output lengths (the continuous-batching JSONs)."""
+    counts: dict[str, int] = {}
+    for value in sorted(lengths):
+        low = (value // width) * width
+        counts[f"{low}-{low + width - 1}"] = counts.get(f"{low}-{low + width - 1}", 0) + 1
+    return {
+        "min": min(lengths),
+        "max": max(lengths),
+        "mean": statistics.mean(lengths),
+        f"histogram_by_{width}": counts,
+    }
+
+
+def run_heading(data: dict[str, Any], lengths_label: str) -> str:
+    """The line above a README table: the command, machine, threads, load, commit and output lengths."""
+    env, out = data["environment"], data["output_lengths"]
+    load = ", ".join(f"{value:.1f}" for value in data["load_1min"])
+    threads = f"{env['torch_threads']} torch thread{'s' if env['torch_threads'] != 1 else ''}"
+    return (
+        f"`{data['command']}` ({env['device']}, {env.get('cpu_count')} cores, {threads}, 1-min load {load}; "
+        f"commit {str(env.get('git_commit'))[:7]}; {lengths_label} {out['min']}-{out['max']}, "
+        f"mean {out['mean']:.1f}):\n"
+    )
