@@ -1,0 +1,210 @@
+"""Every CPU mode on the trained model: token agreement with upstream fp32, BLEU/chrF, time.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.trained_agreement [--model-dir ~/.cache/fastgen/trained-bart]
+        [--modes beam4,greedy] [--threads 1] [--rounds 3] [--batch-size 16] [--out FILE.json]
+
+The model, its test set and its CTranslate2 conversion are those ``benchmarks.train_small_model``
+wrote. Candidates decode the same test batches with the same settings (``train_small_model.GENERATE``,
+natural end at ``</s>``): upstream Transformers (``fastgen.unpatched()``, the reference), fastgen's
+default (exact) features, fastgen + ``fast_gemm``, fastgen + ``int8`` where fastgen knows that feature,
+and CTranslate2 float32 and int8_float32 on the converted model. Per candidate: the share of sentences
+whose generated ids equal upstream's, the share of positions that agree (over the longer of the two),
+BLEU and chrF (sacrebleu) against the references, and the median wall and process CPU time of decoding
+the whole test set (rotating order after a warm-up batch; the 1-minute load is recorded). The int8
+candidates are also compared with their own fp32 engine, which separates quantization from the
+differences between two beam searches (CTranslate2's early exit and length normalization are its own;
+its ``min_decoding_length`` is set to 0, Transformers' default, where its own default 1 forbids an
+immediate ``</s>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+import fastgen
+from benchmarks import train_small_model as trained
+from benchmarks.measure import environment, rotating_order
+
+MODES = {"beam4": 4, "greedy": 1}
+DEFAULT = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES)
+# The engine each candidate is quantized from: its agreement with that engine isolates the quantization.
+FP32_OF = {"fastgen_int8": "upstream", "ctranslate2_int8_float32": "ctranslate2_float32"}
+
+
+def hf_features() -> dict[str, list[str] | None]:
+    """Transformers candidates by name: the features each runs with (None: upstream)."""
+    candidates: dict[str, list[str] | None] = {
+        "upstream": None,
+        "fastgen_exact": DEFAULT,
+        "fastgen_fast": [*DEFAULT, "fast_gemm"],
+    }
+    if "int8" in fastgen.known_features():
+        candidates["fastgen_int8"] = [*DEFAULT, "int8"]
+    return candidates
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
+    """Sentences with identical ids, and positions that agree over the longer of each pair."""
+    same_rows = sum(a == b for a, b in zip(reference, other, strict=True))
+    same = sum(sum(x == y for x, y in zip(a, b, strict=False)) for a, b in zip(reference, other, strict=True))
+    total = sum(max(len(a), len(b)) for a, b in zip(reference, other, strict=True))
+    return {"sequence_match": same_rows / len(reference), "token_agreement": same / total if total else 1.0}
+
+
+def _summary(name: str, r: dict[str, Any]) -> str:
+    same = r["vs_upstream"]
+    return (
+        f"{name} {r['median_wall_seconds']:.2f}s BLEU {r['bleu']:.1f} chrF {r['chrf']:.1f} rows "
+        f"{100 * same['sequence_match']:.1f}% tokens {100 * same['token_agreement']:.1f}%"
+    )
+
+
+def _cut(ids: list[int]) -> list[int]:
+    return ids[: ids.index(trained.EOS)] if trained.EOS in ids else ids
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=trained.DEFAULT_OUT)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import tokenizers
+
+    model = transformers.BartForConditionalGeneration.from_pretrained(args.model_dir / "hf").eval()
+    tokenizer = tokenizers.Tokenizer.from_file(str(args.model_dir / "hf" / "tokenizer.json"))
+    test = trained.load_test(args.model_dir)
+    references = [row["target"] for row in test]
+    groups = [test[b : b + args.batch_size] for b in range(0, len(test), args.batch_size)]
+    hf_batches = [trained.source_batch([row["source_ids"] for row in group]) for group in groups]
+
+    try:
+        import ctranslate2
+
+        from benchmarks.ctranslate2_compare import _StandInTokenizer
+    except ImportError:
+        ctranslate2 = None
+        sys.stdout.write("ctranslate2 is not installed: measuring the Transformers candidates only\n")
+    translators: dict[str, Any] = {}
+    if ctranslate2 is not None:
+        names = _StandInTokenizer(model.config).names  # the token names convert() gave the CTranslate2 vocabulary
+        ids_of = {name: i for i, name in names.items()}
+        ct2_sources = [[[names[i] for i in row["source_ids"]] for row in group] for group in groups]
+        for compute_type in ("float32", "int8_float32"):
+            translators[f"ctranslate2_{compute_type}"] = ctranslate2.Translator(
+                str(args.model_dir / "ct2"), device="cpu", compute_type=compute_type, inter_threads=1,
+                intra_threads=args.threads,
+            )  # fmt: skip
+
+    results: dict[str, Any] = {}
+    for mode in args.modes.split(","):
+        num_beams = MODES[mode]
+
+        def hf(features: list[str] | None, num_beams: int = num_beams) -> Callable[[int | None], list[list[int]]]:
+            def decode(limit: int | None = None) -> list[list[int]]:
+                scope = fastgen.unpatched() if features is None else fastgen.patched(features)
+                out = []
+                with scope, torch.inference_mode():
+                    for batch in hf_batches[:limit]:
+                        ids = model.generate(**batch, num_beams=num_beams, **trained.GENERATE)
+                        out += [_cut(row[1:]) for row in ids.tolist()]  # without the decoder start token
+                return out
+
+            return decode
+
+        def ct2(translator: Any, num_beams: int = num_beams) -> Callable[[int | None], list[list[int]]]:
+            def decode(limit: int | None = None) -> list[list[int]]:
+                out = []
+                for source in ct2_sources[:limit]:
+                    for result in translator.translate_batch(
+                        source, beam_size=num_beams, length_penalty=trained.GENERATE["length_penalty"],
+                        min_decoding_length=0, max_decoding_length=trained.GENERATE["max_new_tokens"],
+                        return_scores=False,
+                    ):  # fmt: skip
+                        out.append(_cut([ids_of[token] for token in result.hypotheses[0]]))
+                return out
+
+            return decode
+
+        candidates = {name: hf(features) for name, features in hf_features().items()}
+        candidates |= {name: ct2(translator) for name, translator in translators.items()}
+        for candidate in candidates.values():  # warm-up (and gemm's calibration) on the first batch
+            candidate(1)
+        outputs: dict[str, list[list[int]]] = {}
+        stable = dict.fromkeys(candidates, True)
+        wall: dict[str, list[float]] = {name: [] for name in candidates}
+        cpu: dict[str, list[float]] = {name: [] for name in candidates}
+        load = [round(os.getloadavg()[0], 2)]
+        for name in rotating_order(list(candidates), args.rounds):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            ids = candidates[name](None)
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+            load.append(round(os.getloadavg()[0], 2))
+            stable[name] &= outputs.setdefault(name, ids) == ids
+        entry: dict[str, Any] = {"num_beams": num_beams, "load_average_1min": load, "candidates": {}}
+        for name, ids in outputs.items():
+            hypotheses = [trained.decode(tokenizer, row) for row in ids]
+            row: dict[str, Any] = {
+                "vs_upstream": agreement(outputs["upstream"], ids),
+                **trained.quality(hypotheses, references),
+                "median_wall_seconds": statistics.median(wall[name]),
+                "median_cpu_seconds": statistics.median(cpu[name]),
+                "wall_seconds": wall[name],
+                "generated_tokens": sum(len(r) for r in ids),
+                "same_output_every_round": stable[name],
+            }
+            if name in FP32_OF and FP32_OF[name] in outputs:
+                row[f"vs_{FP32_OF[name]}"] = agreement(outputs[FP32_OF[name]], ids)
+            entry["candidates"][name] = row
+        results[mode] = entry
+        sys.stdout.write(f"{mode}: " + "; ".join(_summary(n, r) for n, r in entry["candidates"].items()))
+        sys.stdout.write(f"; load {min(load)}..{max(load)}\n")
+        sys.stdout.flush()
+
+    training = json.loads((args.model_dir / "training.json").read_text())
+    env = environment("cpu")
+    report = {
+        "benchmark": "trained_agreement",
+        "command": "python -m benchmarks.trained_agreement " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model": {
+            "training_command": training["command"],
+            "settings": training["settings"],
+            "corpus": training["corpus"],
+            "parameters": training["parameters"],
+            "held_out": training["held_out"],
+        },
+        "test_sentences": len(test),
+        "batch_size": args.batch_size,
+        "generate": trained.GENERATE,
+        "threads": args.threads,
+        "int8_feature": "int8" in fastgen.known_features(),
+        "ctranslate2": getattr(ctranslate2, "__version__", None),
+        "environment": env,
+        "modes": results,
+    }
+    out = args.out or (
+        Path(__file__).resolve().parent / "results" / f"trained_agreement-{env['cpu_kind']}-{args.threads}t.json"
+    )
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
