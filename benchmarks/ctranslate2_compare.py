@@ -243,7 +243,7 @@ def _rows_identical(upstream: torch.Tensor, other: torch.Tensor) -> str:
 
 def _logit_difference(model: Any, inputs: dict[str, torch.Tensor], sequences: torch.Tensor) -> dict[str, float]:
     """Max |logit difference| of the fast mode vs upstream, teacher-forced on upstream's sequences."""
-    from fastgen.optimizer.transformers.fast_gemm import packed_linears
+    from fastgen.optimizer.linear_modes import packed_linears
 
     with torch.inference_mode():
         with fastgen.unpatched():

@@ -26,7 +26,7 @@ from fastgen.continuous.cache import SlotCache
 from fastgen.continuous.search import Finished, SearchState
 from fastgen.continuous.settings import Settings
 from fastgen.optimizer import registry, report
-from fastgen.optimizer.fast_gemm_scope import packed_linears
+from fastgen.optimizer.linear_modes import int8_linears, packed_linears
 from fastgen.optimizer.transformers.gemm import exact_output_projection
 
 FEATURE = "continuous"
@@ -47,13 +47,16 @@ def _feature_applied(feature: str) -> bool:
 
 
 @contextlib.contextmanager
-def linear_scope(model: Any) -> Iterator[None]:
+def linear_scope(model: Any, check_weights: bool = True) -> Iterator[None]:
     """The GEMM forms ``generate`` runs under with fastgen on: ``gemm`` (exact output projection) and,
-    when the user opted in, ``fast_gemm`` (packed linears). Those features hook ``generate``, which
-    continuous batching does not call, so it enters their scopes itself, per step."""
+    when the user opted in, ``int8`` or ``fast_gemm`` (approximate linears). Those features hook
+    ``generate``, which continuous batching does not call, so it enters their scopes itself, per step;
+    ``check_weights`` (the weights' content against their int8/packed copies) on its first step only."""
     with contextlib.ExitStack() as stack:
+        if _feature_applied("int8"):
+            stack.enter_context(int8_linears(model, check_weights))
         if _feature_applied("fast_gemm"):
-            stack.enter_context(packed_linears(model))
+            stack.enter_context(packed_linears(model, check_weights))
         if _feature_applied("gemm"):
             stack.enter_context(exact_output_projection(model))
         yield
@@ -93,6 +96,7 @@ def run_continuous(
     # Nothing stays switched on while the generator is suspended (the caller may run the model between
     # two results): no_grad and the position hook are entered per step. no_grad, not inference_mode:
     # results are ordinary tensors, as generate returns them.
+    checked = False  # the weights' int8/packed copies are checked on the first step only
     while True:
         free = slots - len(state)
         if free > 0 and not exhausted:
@@ -105,11 +109,13 @@ def run_continuous(
                 newcomers.append((item[0], _as_ids(item[1], item[0], device)))
             if newcomers:
                 seeds_now = None if seed_queue is None else [_next_seed(seed_queue, i) for i, _ in newcomers]
-                with torch.no_grad(), linear_scope(model):
+                with torch.no_grad(), linear_scope(model, check_weights=not checked):
+                    checked = True
                     _admit(model, state, cache, encoder_lengths, newcomers, cross_rows, seeds_now)
         if not len(state):
             break
-        with torch.no_grad(), linear_scope(model):
+        with torch.no_grad(), linear_scope(model, check_weights=not checked):
+            checked = True
             order, done = _step(model, state, cache, encoder_lengths, cross_rows, stats)
             if not any(done):
                 if order is not None:

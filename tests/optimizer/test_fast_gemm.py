@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import fastgen
 from fastgen.ops import fast_linear
+from fastgen.optimizer import linear_modes as fast_gemm
 from fastgen.optimizer import registry
-from fastgen.optimizer.transformers import fast_gemm
 from tests import harness
 from tests.conftest import HAS_FAIRSEQ
 from tests.harness import requires_feature
@@ -129,7 +129,7 @@ def test_fairseq_generation_runs_packed_and_stays_close(beam):
 def test_gpt2_conv1d_layers_run_packed_and_close():
     from transformers.pytorch_utils import Conv1D
 
-    from fastgen.optimizer import fast_gemm_scope
+    from fastgen.optimizer import linear_modes as fast_gemm_scope
 
     model = harness.tiny_hf_model("gpt2")
     convs = [m for m in model.modules() if type(m) is Conv1D]

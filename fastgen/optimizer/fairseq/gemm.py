@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fastgen.ops.linear import exact_linear
-from fastgen.optimizer import fast_gemm_scope, report
+from fastgen.optimizer import linear_modes, report
 from fastgen.optimizer.registry import fallback
 
 FEATURE = "gemm"
@@ -42,8 +42,8 @@ def make_output_layer(original: Callable[..., Any]) -> Callable[..., Any]:
     """Replacement for ``TransformerDecoderBase.output_layer`` (see module docstring)."""
 
     def output_layer(self: Any, features: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or fast_gemm_scope.installed(getattr(self, "output_projection", None)):
-            return original(self, features)  # compiled: upstream's op; fast_gemm: its packed forward
+        if torch.compiler.is_compiling() or linear_modes.installed(getattr(self, "output_projection", None)):
+            return original(self, features)  # compiled: upstream's op; fast_gemm/int8: the mode's forward
         problem = projection_problem(self, features)
         if problem is not None:
             fallback(FEATURE, problem)

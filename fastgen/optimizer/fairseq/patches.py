@@ -77,12 +77,26 @@ PATCHES += [
 
 # ---------------------------------------------------------------------------- fast_gemm (opt-in)
 # Every CPU fp32 nn.Linear of the generator's models on oneDNN with packed weights: faster, not
-# bit-identical (fastgen.optimizer.fairseq.fast_gemm). Stacks on beam's generate hook.
+# bit-identical (fastgen.optimizer.fairseq.linear_modes). Stacks on beam's generate hook.
 PATCHES += [
     Patch(
         "fast_gemm",
         "fairseq.sequence_generator:SequenceGenerator.generate",
-        "fastgen.optimizer.fairseq.fast_gemm:make_generate",
+        "fastgen.optimizer.fairseq.linear_modes:make_generate",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "models", "sample"),
+    ),
+]
+
+# ---------------------------------------------------------------------------- int8 (opt-in)
+# Every CPU fp32 nn.Linear of the generator's models in int8 (fastgen.ops.int8_linear). Declared after
+# fast_gemm so its hook wraps fast_gemm's: with both on, int8 serves the linears.
+PATCHES += [
+    Patch(
+        "int8",
+        "fairseq.sequence_generator:SequenceGenerator.generate",
+        "fastgen.optimizer.fairseq.linear_modes:make_int8_generate",
         "fairseq",
         FAIRSEQ_VERSIONS,
         expects=("self", "models", "sample"),

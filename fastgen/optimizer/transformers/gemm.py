@@ -27,9 +27,8 @@ from typing import Any
 import torch
 
 from fastgen.ops.linear import exact_linear
-from fastgen.optimizer import report
+from fastgen.optimizer import linear_modes, report
 from fastgen.optimizer.registry import fallback
-from fastgen.optimizer.transformers import fast_gemm
 
 FEATURE = "gemm"
 
@@ -52,7 +51,7 @@ def head_problem(model: Any) -> tuple[torch.nn.Linear | None, str | None]:
         return None, "the model has no output embeddings"
     if type(head) is not torch.nn.Linear:  # allow-list: a subclass may compute its own way
         return None, f"output embeddings are {type(head).__name__}, not torch.nn.Linear"
-    if "forward" in head.__dict__ and id(head) not in _installed and not fast_gemm.installed(head):
+    if "forward" in head.__dict__ and id(head) not in _installed and not linear_modes.installed(head):
         return None, "output embeddings carry their own instance forward"
     weight = head.weight
     if weight.device.type != "cpu":
@@ -68,8 +67,8 @@ def head_problem(model: Any) -> tuple[torch.nn.Linear | None, str | None]:
 def exact_output_projection(model: Any) -> Iterator[None]:
     """Inside the block, ``model``'s output embedding runs :func:`exact_linear` (see module docstring)."""
     head, problem = head_problem(model)
-    if head is not None and fast_gemm.installed(head):
-        yield  # the opt-in fast_gemm feature serves this head already (its own rounding, chosen by the user)
+    if head is not None and linear_modes.installed(head):
+        yield  # an opt-in linear mode (fast_gemm, int8) serves this head already: its rounding, the user's choice
         return
     if head is None:
         fallback(FEATURE, problem or "no output embeddings")
