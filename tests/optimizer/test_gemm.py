@@ -149,6 +149,8 @@ def test_fairseq_output_projection_bit_identical(beam, features):
             assert torch.equal(ref["positional_scores"], cand["positional_scores"])
     assert report.fast_path("gemm"), report
     assert any(choice.block is not None for choice in linear.choices().values()), linear.choices()
+    # the feed-forward products (32 -> 64) ran exact_linear too, not only the 200-word projection
+    assert any(key[1:3] == (64, 32) for key in linear.choices()), linear.choices()
 
 
 @pytest.mark.parametrize("family", ["bart", "llama"])

@@ -63,7 +63,8 @@ PATCHES += [
 ]
 
 # ---------------------------------------------------------------------------- gemm
-# The vocabulary projection on CPU fp32 in its fastest bit-identical GEMM form (fastgen.ops.linear).
+# Every CPU fp32 nn.Linear in its fastest bit-identical GEMM form (fastgen.ops.linear): the vocabulary
+# projection through output_layer, the others for the length of SequenceGenerator.generate.
 PATCHES += [
     Patch(
         "gemm",
@@ -72,6 +73,14 @@ PATCHES += [
         "fairseq",
         FAIRSEQ_VERSIONS,
         expects=("self", "features"),
+    ),
+    Patch(
+        "gemm",
+        "fairseq.sequence_generator:SequenceGenerator.generate",
+        "fastgen.optimizer.fairseq.gemm:make_generate",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "models", "sample"),
     ),
 ]
 

@@ -8,40 +8,24 @@ real input; a form is kept only where ``torch.equal`` holds).
 
 How it is hooked: for the duration of one ``generate`` call (and only when the model's output
 embedding is a plain ``nn.Linear`` with CPU fp32 weights) the head module and every other plain
-``nn.Linear`` with CPU fp32 contiguous weights get an instance ``forward`` that calls
-``exact_linear``; it is removed when the call ends, so the user's modules are left exactly as they
-were (picklable, no fastgen attribute). Nested and concurrent calls on the same
-model share one installation (a counter). Why not patch ``nn.Linear.forward`` or
-``F.linear``: that would change torch for every module of the process, not just this head.
-
-Under ``torch.compile`` the installed ``forward`` runs ``F.linear`` itself (``exact_linear``
-checks ``torch.compiler.is_compiling()`` before anything else), so a compiled forward traces
-upstream's op with no graph break.
+``nn.Linear`` with CPU fp32 contiguous weights run ``exact_linear`` through
+:mod:`fastgen.optimizer.exact_scope` (instance forwards removed when the call ends; under
+``torch.compile`` they trace ``F.linear`` itself, with no graph break).
 """
 
 from __future__ import annotations
 
-import threading
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from fastgen.ops.linear import exact_linear
-from fastgen.optimizer import linear_modes, report
+from fastgen.optimizer import exact_scope, linear_modes, report
+from fastgen.optimizer.exact_scope import exact_forwards, plain_linears
 from fastgen.optimizer.registry import fallback
 
 FEATURE = "gemm"
-
-_lock = threading.Lock()
-_installed: dict[int, int] = {}  # id(head) -> number of generate calls using the installed forward
-
-
-def _exact_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` through :func:`exact_linear` (same bits)."""
-    return exact_linear(input, self.weight, self.bias)
 
 
 def head_problem(model: Any) -> tuple[torch.nn.Linear | None, str | None]:
@@ -54,7 +38,7 @@ def head_problem(model: Any) -> tuple[torch.nn.Linear | None, str | None]:
         return None, "the model has no output embeddings"
     if type(head) is not torch.nn.Linear:  # allow-list: a subclass may compute its own way
         return None, f"output embeddings are {type(head).__name__}, not torch.nn.Linear"
-    if "forward" in head.__dict__ and id(head) not in _installed and not linear_modes.installed(head):
+    if "forward" in head.__dict__ and not exact_scope.installed(head) and not linear_modes.installed(head):
         return None, "output embeddings carry their own instance forward"
     weight = head.weight
     if weight.device.type != "cpu":
@@ -64,21 +48,6 @@ def head_problem(model: Any) -> tuple[torch.nn.Linear | None, str | None]:
     if not weight.is_contiguous():
         return None, "output embedding weight is not contiguous"
     return head, None
-
-
-def _other_linears(model: Any, head: torch.nn.Linear) -> list[torch.nn.Linear]:
-    """The model's other plain CPU fp32 ``nn.Linear`` modules that no one else has a forward on."""
-    chosen: dict[int, torch.nn.Linear] = {}
-    for module in model.modules():
-        if type(module) is not torch.nn.Linear or module is head or id(module) in chosen:
-            continue
-        if "forward" in module.__dict__ and id(module) not in _installed:
-            continue  # someone else's instance forward (an opt-in linear mode's included)
-        weight, bias = module.weight, module.bias
-        tensors = (weight,) if bias is None else (weight, bias)
-        if all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
-            chosen[id(module)] = module
-    return list(chosen.values())
 
 
 @contextmanager
@@ -93,23 +62,9 @@ def exact_output_projection(model: Any) -> Iterator[None]:
         fallback(FEATURE, problem or "no output embeddings")
         yield
         return
-    modules = [head, *_other_linears(model, head)]
-    with _lock:
-        for module in modules:
-            count = _installed.get(id(module), 0)
-            if count == 0:
-                module.forward = types.MethodType(_exact_forward, module)
-            _installed[id(module)] = count + 1
-    report.note_ran(FEATURE, "linears in their fastest bit-identical forms")
-    try:
+    with exact_forwards([head, *plain_linears(model, skip=[head])]):
+        report.note_ran(FEATURE, "linears in their fastest bit-identical forms")
         yield
-    finally:
-        with _lock:
-            for module in modules:
-                _installed[id(module)] -= 1
-                if _installed[id(module)] == 0:
-                    del _installed[id(module)]
-                    del module.forward
 
 
 def make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
