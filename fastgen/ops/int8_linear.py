@@ -106,16 +106,20 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
-def _row_scales(x2: torch.Tensor) -> torch.Tensor:
-    scale = x2.abs().amax(dim=1, keepdim=True) / 127
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+#: Floor of a row's ``max|x|``: an all-zero row divides by this (its codes stay 0) instead of by 0.
+TINY = 1e-30
+
+
+def _row_max(x2: torch.Tensor) -> torch.Tensor:
+    """Each row's ``max|x[m, :]|`` (at least :data:`TINY`), shape ``(M, 1)``."""
+    return x2.abs().amax(dim=1, keepdim=True).clamp_min_(TINY)
 
 
 def int8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The semantics (module docstring), in plain torch: integer products summed exactly in int64."""
     codes, scale_w = quantize_weight(weight)
     x2 = x.reshape(-1, x.shape[-1])
-    scale_x = _row_scales(x2)
+    scale_x = _row_max(x2) / 127
     xq = torch.round(x2 / scale_x).clamp_(-127, 127).to(torch.int64)
     y = (xq @ codes.to(torch.int64).t()).to(torch.float32) * (scale_x * scale_w)
     if bias is not None:
@@ -147,10 +151,11 @@ class Int8Weight:
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 @ W.T`` in int8 for a contiguous ``(M, K)`` float32 input (no bias)."""
-        scale_x = _row_scales(x2)
+        row_max = _row_max(x2)
         if self.kind == "fbgemm":
-            y = torch.ops.quantized.linear_dynamic(x2 / (scale_x * 127), self.packed, self.reduce_range)
-            return y.mul_(scale_x * 127)
+            y = torch.ops.quantized.linear_dynamic(x2 / row_max, self.packed, self.reduce_range)
+            return y.mul_(row_max)
+        scale_x = row_max / 127
         xq = torch.round(x2 / scale_x).clamp_(-127, 127).to(torch.int8)
         return torch._int_mm(xq, self.packed).to(torch.float32).mul_(scale_x * self.scale)
 
