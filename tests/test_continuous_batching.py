@@ -194,16 +194,17 @@ def test_relative_bias_per_row(models, family):
 @requires_feature("gemm")
 @requires_feature("fast_gemm")
 def test_generate_s_gemm_scopes_run_in_continuous_batching(models):
-    """``gemm`` and the opt-in ``fast_gemm`` hook ``generate``, which continuous batching does not call:
-    the scheduler enters their scopes itself. gemm keeps the tokens (its form gives F.linear's bits)."""
+    """``gemm`` and the opt-in ``fast_gemm`` and ``int8`` hook ``generate``, which continuous batching does not
+    call: the scheduler enters their scopes itself. gemm keeps the tokens (its form gives F.linear's bits)."""
     model, inputs, kwargs = models["bart"], make_inputs(6), dict(num_beams=2, max_new_tokens=12)
     packs = fast_linear.unavailable() is None  # else fast_gemm falls back to upstream's linears
     runs = {}
-    for features in (["dedup"], ["dedup", "gemm"], ["dedup", "fast_gemm"]):
+    for features in (["dedup"], ["dedup", "gemm"], ["dedup", "fast_gemm"], ["dedup", "int8"]):
         with fastgen.patched(features), fastgen.report() as report:
             runs[features[-1]] = list(generate_many(model, inputs, batch_rows=4, **kwargs))
         assert ("gemm" in report.ran) == ("gemm" in features), (features, str(report))
         assert ("fast_gemm" in report.ran) == ("fast_gemm" in features and packs), (features, str(report))
+        assert ("int8" in report.ran) == ("int8" in features), (features, str(report))
     assert all(torch.equal(a, b) for a, b in zip(runs["dedup"], runs["gemm"], strict=True))
     assert all("forward" not in module.__dict__ for module in model.modules()), "every module's own forward is back"
 
