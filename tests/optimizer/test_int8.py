@@ -210,3 +210,12 @@ def test_fairseq_generation_runs_in_int8_and_stays_close():
     cand = torch.stack([hypos[0]["positional_scores"][0] for hypos in candidate])
     assert not torch.equal(ref, cand)
     _assert_scores_close([ref], [cand])
+
+
+@pytest.mark.parametrize("rows", [3, 400])  # the decode-step form and the large-input form
+def test_row_max_is_the_largest_magnitude_of_each_row(rows):
+    x = torch.randn(rows, 300)
+    x[0] = 0
+    x[1, 7] = -50.0  # a row whose largest magnitude is negative
+    expected = x.abs().amax(dim=1, keepdim=True).clamp_min(int8_linear.TINY)
+    assert torch.equal(int8_linear._row_max(x), expected)
