@@ -92,14 +92,67 @@ def test_return_dict_in_generate_gives_generates_output_per_input(models):
         generate_many(model, inputs, return_scores=True, return_dict_in_generate=True)
 
 
-def test_sampling_fallback_without_seed_takes_the_global_generator_input_by_input(models):
+def test_sampling_fallback_without_seed_draws_one_seed_from_the_global_generator(models):
+    """As on the served path: S drawn once from torch's global generator, input i sampled alone from S + i."""
     model, kwargs = models["bart"], dict(do_sample=True, num_beams=2, max_new_tokens=8)
     inputs = make_inputs(3, seed=13)
     torch.manual_seed(4)
     results = list(generate_many(model, inputs, **kwargs))
     torch.manual_seed(4)
-    expected = [upstream_alone(model, ids, kwargs) for ids in inputs]
+    start = int(torch.randint(0, 2**62, ()).item())
+    for index, (ids, result) in enumerate(zip(inputs, results, strict=True)):
+        torch.manual_seed(start + index)
+        assert torch.equal(result, upstream_alone(model, ids, kwargs))
+
+
+#: fallbacks where padded static batches, cut to each input's width, are exact (encoder-decoder, not sampling,
+#: decoder-side settings), and ones that run each input alone
+STATIC_OR_ALONE = [
+    ("blenderbot-small", dict(num_beams=3, num_return_sequences=2, max_new_tokens=10), True),
+    ("blenderbot-small", dict(max_new_tokens=10, min_new_tokens=2), True),
+    ("bart", dict(num_beams=2, suppress_tokens=[8], bad_words_ids=[[7]], max_new_tokens=10), True),
+    ("bart", dict(repetition_penalty=1.05, max_new_tokens=10), True),
+    ("bart", dict(encoder_repetition_penalty=1.2, max_new_tokens=10), False),  # reads the encoder's pads
+    ("bart", dict(num_beams=2, max_new_tokens=10, logits_processor=transformers.LogitsProcessorList()), False),
+    ("llama", dict(num_beams=2, repetition_penalty=1.2, max_new_tokens=10), False),  # left pads are read
+]
+
+
+@pytest.mark.parametrize("family, kwargs, batched", STATIC_OR_ALONE)
+def test_static_batches_only_where_cutting_them_is_exact(models, monkeypatch, family, kwargs, batched):
+    model = models[family]
+    inputs = make_inputs(8, seed=17)
+    calls = []
+    original = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kw: calls.append(kw["input_ids"].shape[0]) or original(**kw))
+    results = list(generate_many(model, inputs, batch_rows=4 * kwargs.get("num_beams", 1), **kwargs))
+    monkeypatch.undo()
+    assert calls == ([4, 4] if batched else [1] * len(inputs)), calls
+    widths = set()
+    for index, (ids, result) in enumerate(zip(inputs, results, strict=True)):
+        expected = upstream_alone(model, ids, kwargs)
+        assert torch.equal(result, expected), f"input {index}: {result.tolist()} != {expected.tolist()}"
+        widths.add(result.shape[1])
+    assert len(widths) > 1, "outputs should end at different steps, or a cut would not show"
+
+
+def test_a_real_pad_token_inside_an_output_is_kept(models):
+    """The cut is after each row's EOS, never at pad tokens: a model that often emits the pad id keeps them."""
+    model = models["blenderbot-small"]
+    saved = model.get_output_embeddings().weight.detach().clone()
+    with torch.no_grad():
+        model.get_output_embeddings().weight[harness.PAD] *= 3.0
+    try:
+        kwargs = dict(num_beams=2, max_new_tokens=12)
+        inputs = make_inputs(8, seed=18)
+        results = list(generate_many(model, inputs, batch_rows=8, **kwargs))
+        expected = [upstream_alone(model, ids, kwargs) for ids in inputs]
+    finally:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.copy_(saved)
     assert all(torch.equal(r, e) for r, e in zip(results, expected, strict=True))
+    inner = [r[0, 1:-1] for r in results]
+    assert any(bool((row == harness.PAD).any()) for row in inner), "no pad token inside an output: a weak test"
 
 
 # -- seeds --------------------------------------------------------------------------------------------------

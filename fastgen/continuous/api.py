@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
+from fastgen.continuous import fallback
 from fastgen.continuous.arguments import check_batch_rows, check_generate_kwargs, seed_stream, token_rows
 from fastgen.continuous.decoder_only import run_decoder_only
 from fastgen.continuous.scheduler import FEATURE, run_continuous
 from fastgen.continuous.search import Finished
 from fastgen.continuous.settings import resolve
-from fastgen.optimizer.registry import fallback
+from fastgen.optimizer.registry import fallback as warn_fallback
 
 DEFAULT_BATCH_ROWS = 64
 
@@ -52,36 +53,38 @@ def generate_many(
     min/max (new) tokens and forced BOS/EOS; and sampling (``do_sample=True``, one beam) with
     ``temperature``, ``top_k``, ``top_p``, ``min_p`` and ``num_return_sequences`` samples per input.
     Any other argument or model (beam sampling, ``typical_p``, ``return_dict_in_generate``, ...) falls
-    back, with one warning naming it, to plain ``generate`` on each input alone, so a result is the same
-    whether or not a call falls back (with ``return_dict_in_generate=True``, generate's output object for
-    that input). It is not run on padded static batches: padding changes what such calls compute
-    (processors read the pads, a decoder-only ``max_length`` counts them, per-step outputs keep them).
+    back, with one warning naming it, to plain ``generate``, and each result is still what ``generate``
+    returns for that input alone (with ``return_dict_in_generate=True``, its output object): on padded
+    static batches of ``batch_rows // num_beams`` inputs cut to each input's width where padding cannot
+    change a result (an encoder-decoder model, greedy or beam search, decoder-side settings), else on
+    each input alone (see :mod:`fastgen.continuous.fallback`).
 
     Sampling draws every input from its own random stream, so an input's samples do not depend on which
     inputs share its steps. ``seed=S`` (an integer: Python, NumPy or a 0-d tensor) gives input ``i``
     (0-based position in ``inputs``) the stream of seed ``S + i``: its result equals
     ``torch.manual_seed(S + i); model.generate(input_ids=ids[None], do_sample=True, **generate_kwargs)``.
-    ``seed`` may also be an iterable of one seed per input (the CLI seeds by line number). A call that
-    falls back with a seed runs each input under its seed (global generator state restored), keeping
-    that promise. Without ``seed``, as ``generate`` the call takes its randomness from torch's global
-    generator: ``S`` is drawn from it once, when ``generate_many`` is called, so ``torch.manual_seed(k)``
-    before the call makes the run reproducible (a call that falls back samples each input in turn from
-    the global generator, as consecutive ``generate`` calls do). ``seed`` is ignored when not sampling.
+    ``seed`` may also be an iterable of one seed per input (the CLI seeds by line number). Without
+    ``seed``, as ``generate`` the call takes its randomness from torch's global generator: ``S`` is drawn
+    from it once, when ``generate_many`` is called, so ``torch.manual_seed(k)`` before the call makes the
+    run reproducible. A call that falls back keeps this promise (each input alone under its seed, the
+    global generator state restored). ``seed`` is ignored when not sampling.
     """
     check_batch_rows(batch_rows)
     check_generate_kwargs(generate_kwargs, return_scores)
     seeds = seed_stream(seed)
     rows = token_rows(model, inputs)
     settings, reason = resolve(model, generate_kwargs)
-    if reason is not None:
-        sampling = _samples(model, generate_kwargs)
-        seeded = " under its seed" if seeds is not None and sampling else ""
-        fallback(FEATURE, f"{reason}: plain generate on each input alone{seeded}")
-        return _alone(model, rows, seeds if sampling else None, return_scores, generate_kwargs)
-    if settings.do_sample and seeds is None:
-        seeds = itertools.count(int(torch.randint(0, 2**62, ()).item()))
-    if not settings.do_sample:
+    sampling = settings.do_sample if settings is not None else _samples(model, generate_kwargs)
+    if not sampling:
         seeds = None
+    elif seeds is None:  # as generate, from torch's global generator: S drawn once, input i sampled from S + i
+        seeds = itertools.count(int(torch.randint(0, 2**62, ()).item()))
+    if reason is not None:
+        if fallback.batch_invariant(model, generate_kwargs):
+            warn_fallback(FEATURE, f"{reason}: plain generate per static batch, each input's rows cut to its width")
+            return fallback.static_batches(model, rows, int(batch_rows), return_scores, generate_kwargs)
+        warn_fallback(FEATURE, f"{reason}: plain generate on each input alone")
+        return fallback.alone(model, rows, seeds, return_scores, generate_kwargs)
     if not model.config.is_encoder_decoder:
         run = run_decoder_only(model, rows, settings, int(batch_rows), generate_kwargs, seeds=seeds)
         return _results(run, return_scores)
@@ -96,34 +99,3 @@ def _samples(model: Any, kwargs: dict[str, Any]) -> bool:
 def _results(finished: Iterator[Finished], return_scores: bool) -> Iterator[Any]:
     for item in finished:
         yield (item.sequences, item.scores) if return_scores else item.sequences
-
-
-def _alone(
-    model: Any,
-    rows: Iterator[torch.Tensor],
-    seeds: Iterator[int] | None,
-    return_scores: bool,
-    kwargs: dict[str, Any],
-) -> Iterator[Any]:
-    """The fallback: ``generate`` on each input alone (under its seed, when given), as the docstring promises."""
-    call = dict(kwargs)
-    if return_scores:
-        call.update(return_dict_in_generate=True, output_scores=True)
-    devices = [model.device] if model.device.type == "cuda" else []
-    for index, ids in enumerate(rows):
-        ids = ids.to(model.device)[None]
-        if seeds is None:
-            out = _generate(model, ids, call)
-        else:
-            seed = next(seeds, None)
-            if seed is None:
-                raise ValueError(f"input {index}: no seed left (give one seed per input)")
-            with torch.random.fork_rng(devices=devices):  # computed, not yielded, inside: the caller's state is kept
-                torch.manual_seed(seed)
-                out = _generate(model, ids, call)
-        yield (out.sequences, getattr(out, "sequences_scores", None)) if return_scores else out
-
-
-def _generate(model: Any, ids: torch.Tensor, call: dict[str, Any]) -> Any:
-    with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **call)
