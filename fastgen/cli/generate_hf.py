@@ -129,6 +129,12 @@ def generate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--gen {name}={value!r}: must be a positive integer")
     if kwargs.get("num_return_sequences", 1) != 1:
         raise UsageError("num_return_sequences must be 1 (one output line per input line)")
+    from fastgen.continuous.arguments import check_generate_kwargs  # imports Transformers (--help stays fast)
+
+    try:  # what generate would misread or reject late (length_penalty=abc, attention_mask=...), on both paths
+        check_generate_kwargs(kwargs, return_scores=False)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--gen: {exc}") from exc
     return kwargs
 
 
