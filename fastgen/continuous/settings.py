@@ -187,9 +187,10 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
         start = gen.decoder_start_token_id if gen.decoder_start_token_id is not None else config.decoder_start_token_id
         if start is None:
             return None, "no decoder_start_token_id"
-        max_length = gen.max_new_tokens + 1 if gen.max_new_tokens is not None else gen.max_length
         lengths = dict(
-            max_length=int(max_length), min_length=int(gen.min_length or 0), decoder_start_token_id=int(start)
+            max_length=_encoder_decoder_max_length(model, kwargs, given_config, gen),
+            min_length=int(gen.min_length or 0),
+            decoder_start_token_id=int(start),
         )
     eos = _ids(gen.eos_token_id)
     pad = gen.pad_token_id
@@ -232,6 +233,31 @@ def _active_unsupported_warper(gen: GenerationConfig) -> str | None:
     return None
 
 
+def _has_default_max_length(model: Any, kwargs: dict[str, Any], given: GenerationConfig | None) -> bool:
+    """``generate``'s ``has_default_max_length``: no ``max_length`` in the call, its config or the model's."""
+    return (
+        kwargs.get("max_length") is None
+        and (given is None or given.max_length is None)
+        and model.generation_config.max_length is None
+    )
+
+
+def _encoder_decoder_max_length(
+    model: Any, kwargs: dict[str, Any], given: GenerationConfig | None, gen: GenerationConfig
+) -> int:
+    """The decoder length limit (start token included) as ``generate``'s ``_prepare_generated_length`` sets it
+    for an encoder-decoder model, whose ``input_ids`` are the one decoder start token: ``max_new_tokens + 1``;
+    else an explicit ``max_length`` as given; else the default (20) counts *new* tokens, so ``20 + 1``, capped
+    at ``max_position_embeddings`` where the config has one."""
+    if gen.max_new_tokens is not None:
+        return int(gen.max_new_tokens) + 1
+    if not _has_default_max_length(model, kwargs, given):
+        return int(gen.max_length)
+    limit = int(gen.max_length) + 1
+    cap = getattr(model.config, "max_position_embeddings", None)
+    return limit if cap is None else min(limit, int(cap))
+
+
 def _decoder_only_lengths(
     model: Any, kwargs: dict[str, Any], given: GenerationConfig | None, gen: GenerationConfig
 ) -> dict[str, Any]:
@@ -239,11 +265,7 @@ def _decoder_only_lengths(
     ``_prepare_generated_length``): ``max_new_tokens`` wins; without it and without an explicit ``max_length``
     the default counts new tokens, capped at ``max_position_embeddings``; ``min_new_tokens`` replaces
     ``min_length``."""
-    default_max = (
-        kwargs.get("max_length") is None
-        and (given is None or given.max_length is None)
-        and model.generation_config.max_length is None
-    )
+    default_max = _has_default_max_length(model, kwargs, given)
     cap = None
     max_new = gen.max_new_tokens
     if max_new is None and default_max:
