@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -67,3 +69,92 @@ def test_default_length_is_capped_at_the_position_table():
     inputs = [ids[:14] for ids in make_inputs(4)]
     results = list(generate_many(model, inputs, batch_rows=4, num_beams=2))
     assert max(_same_as_alone(model, inputs, dict(num_beams=2), results)) == 16
+
+
+# ----------------------------------------------------------------------------- item 5: hooks confined to the call
+
+
+def _run_together(*jobs) -> None:
+    """Run ``jobs`` in threads at once; re-raise the first exception one of them raised."""
+    errors: list[BaseException] = []
+
+    def guarded(job):
+        def run():
+            try:
+                job()
+            except BaseException as exc:
+                errors.append(exc)
+
+        return run
+
+    threads = [threading.Thread(target=guarded(job)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads), "a thread hangs"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_unpatched_generate_in_another_thread_sees_the_stock_model(plain, family):
+    """While one thread runs generate_many, another runs upstream generate (``unpatched()``, this thread only)
+    over and over: both get what each input alone gets."""
+    model, kwargs = plain[family], dict(num_beams=2, max_new_tokens=12)
+    inputs = make_inputs(8)
+    expected = [alone(model, ids, kwargs).sequences for ids in inputs]
+    many: list[torch.Tensor] = []
+    done = threading.Event()
+    upstream_runs = []
+
+    def continuous():
+        try:
+            many.extend(generate_many(model, inputs, batch_rows=4, **kwargs))
+        finally:
+            done.set()
+
+    def upstream():
+        while not done.is_set() or len(upstream_runs) < 4:
+            index = len(upstream_runs) % len(inputs)
+            ids = inputs[index]
+            with fastgen.unpatched(), torch.inference_mode():
+                out = model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids[None]), **kwargs)
+            upstream_runs.append(index)
+            assert torch.equal(out, expected[index]), f"upstream generate on input {index} in the other thread"
+
+    _run_together(continuous, upstream)
+    assert all(torch.equal(a, b) for a, b in zip(many, expected, strict=True))
+
+
+def test_two_generate_many_calls_on_one_t5_at_once(plain):
+    model, kwargs = plain["t5"], dict(num_beams=2, max_new_tokens=12)
+    first, second = make_inputs(6, seed=1), make_inputs(6, seed=2)
+    expected = {
+        name: [alone(model, ids, kwargs).sequences for ids in inputs]
+        for name, inputs in (("first", first), ("second", second))
+    }
+    got: dict[str, list[torch.Tensor]] = {}
+
+    def job(name, inputs, rows):
+        return lambda: got.__setitem__(name, list(generate_many(model, inputs, batch_rows=rows, **kwargs)))
+
+    _run_together(job("first", first, 4), job("second", second, 6))
+    for name, results in got.items():
+        assert all(torch.equal(a, b) for a, b in zip(results, expected[name], strict=True)), name
+
+
+def test_two_interleaved_generate_many_streams_in_one_thread(plain):
+    """Re-entrant: two streams on one model advanced in turns in one thread (each result pulled lazily)."""
+    model, kwargs = plain["bart"], dict(num_beams=2, max_new_tokens=12)
+    first, second = make_inputs(5, seed=3), make_inputs(5, seed=4)
+    streams = [
+        generate_many(model, first, batch_rows=2, **kwargs),
+        generate_many(model, second, batch_rows=4, **kwargs),
+    ]
+    got = [[], []]
+    for _ in range(5):
+        for which, stream in enumerate(streams):
+            got[which].append(next(stream))
+    for results, inputs in zip(got, (first, second), strict=True):
+        _same_as_alone(model, inputs, kwargs, results)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from fastgen.continuous.families import ADAPTERS
+from fastgen.continuous.families import ADAPTERS, path_problem
 from fastgen.optimizer.transformers.contract import CACHE
 
 #: the ``config.model_type`` s served: those with an adapter (cross K/V projection, per-row positions)
@@ -151,6 +151,9 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
         return None, f"attention implementation {getattr(config, '_attn_implementation', None)!r}"
     if model.training:
         return None, "the model is in training mode"
+    problem = _module_problem(model, decoder_only)
+    if problem is not None:
+        return None, problem
     kwargs = dict(kwargs)
     given_config = kwargs.get("generation_config")
     # private (listed in the contract's inventory): model config < kwargs, global defaults, as generate merges them
@@ -220,6 +223,21 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
             min_p=gen.min_p,
         )
     return settings, None
+
+
+def _module_problem(model: Any, decoder_only: bool) -> str | None:
+    """A compiled module (``model.compile()``, ``model.forward = torch.compile(model.forward)``, a compiled layer):
+    the decoder step would run under compilation, where fastgen's attention steps aside for upstream's
+    layout (one cross K/V row per input then meets every beam's query) and each new row count recompiles,
+    so such a model runs ``generate``. Encoder-decoder models also need the modules their position hooks
+    replace to run their class's forward (:func:`~fastgen.continuous.families.path_problem`)."""
+    for name, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if getattr(module, "_compiled_call_impl", None) is not None or hasattr(forward, "_torchdynamo_orig_callable"):
+            return f"{'module ' + name if name else 'the model'} is compiled (torch.compile)"
+    if decoder_only:
+        return None
+    return path_problem(model, ADAPTERS[model.config.model_type].hooked(model))
 
 
 def _active_unsupported_warper(gen: GenerationConfig) -> str | None:
