@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -19,6 +20,7 @@ from transformers import GenerationConfig
 
 import fastgen
 from fastgen.continuous import generate_many
+from fastgen.optimizer import registry
 from tests import harness
 from tests.continuous_cases import alone, make_inputs
 
@@ -158,3 +160,38 @@ def test_two_interleaved_generate_many_streams_in_one_thread(plain):
             got[which].append(next(stream))
     for results, inputs in zip(got, (first, second), strict=True):
         _same_as_alone(model, inputs, kwargs, results)
+
+
+# ----------------------------------------------------------------------------- item 4: compiled forward
+
+
+@pytest.mark.parametrize("how", ["forward", "module"])
+def test_compiled_model_falls_back_to_generate_with_one_warning(monkeypatch, caplog, how):
+    """``generate`` steps aside for a compiled model; generate_many too (it crashed: under compilation the
+    attention got every beam's query rows against one cross K/V row per input). The eager backend keeps the
+    test fast; Dynamo traces the forward all the same."""
+    model = harness.tiny_hf_model("bart")
+    if how == "forward":
+        model.forward = torch.compile(model.forward, backend="eager", dynamic=False)
+    else:
+        model.compile(backend="eager", dynamic=False)
+    kwargs = dict(num_beams=2, max_new_tokens=3)
+    inputs = [torch.arange(3, 9), torch.arange(4, 10)]  # one shape: one trace
+    monkeypatch.setattr(registry._state, "warned", set())
+    with caplog.at_level(logging.WARNING, logger="fastgen"), fastgen.report() as rep:
+        results = list(generate_many(model, inputs, batch_rows=2, **kwargs))  # static batches of one input
+    assert "continuous" not in rep.ran and rep.fell_back
+    warnings = [r.getMessage() for r in caplog.records if "[continuous]" in r.getMessage()]
+    assert len(warnings) == 1 and "compiled (torch.compile)" in warnings[0], warnings
+    _same_as_alone(model, inputs, kwargs, results)
+
+
+def test_an_instance_forward_on_the_hooked_path_falls_back(plain):
+    """A module whose copy would call the shared original (another library's hook) cannot carry the hooks."""
+    model = harness.tiny_hf_model("bart")
+    decoder = model.get_decoder()
+    decoder.forward = decoder.forward  # an instance forward bound to the original module
+    with fastgen.report() as rep:
+        results = list(generate_many(model, make_inputs(2), batch_rows=2, num_beams=2, max_new_tokens=5))
+    assert "continuous" not in rep.ran and "own forward" in str(rep.fell_back), rep.fell_back
+    _same_as_alone(model, make_inputs(2), dict(num_beams=2, max_new_tokens=5), results)
