@@ -195,7 +195,7 @@ def test_generate_s_gemm_scopes_run_in_continuous_batching(models):
     model, inputs, kwargs = models["bart"], make_inputs(6), dict(num_beams=2, max_new_tokens=12)
     packs = fast_linear.unavailable() is None  # else fast_gemm falls back to upstream's linears
     runs = {}
-    for features in (["dedup"], ["dedup", "gemm"], ["dedup", "fast_gemm"]):
+    for features in (["continuous", "dedup"], ["continuous", "dedup", "gemm"], ["continuous", "dedup", "fast_gemm"]):
         with fastgen.patched(features), fastgen.report() as report:
             runs[features[-1]] = list(generate_many(model, inputs, batch_rows=4, **kwargs))
         assert ("gemm" in report.ran) == ("gemm" in features), (features, str(report))

@@ -12,6 +12,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -195,3 +198,66 @@ def test_an_instance_forward_on_the_hooked_path_falls_back(plain):
         results = list(generate_many(model, make_inputs(2), batch_rows=2, num_beams=2, max_new_tokens=5))
     assert "continuous" not in rep.ran and "own forward" in str(rep.fell_back), rep.fell_back
     _same_as_alone(model, make_inputs(2), dict(num_beams=2, max_new_tokens=5), results)
+
+
+# ----------------------------------------------------------------------------- listing and switching
+
+
+def test_continuous_batching_is_listed_and_switchable():
+    import fastgen.continuous.settings as switches  # applies the pending switch patch
+
+    assert "continuous" in fastgen.known_features()
+    assert "continuous" not in registry.OPT_IN_FEATURES
+    rows = [row for row in fastgen.status() if row.feature == "continuous"]
+    assert [row.state for row in rows] == ["applied"], rows
+    assert "continuous" in str(fastgen.status())
+    assert switches.switched_on()
+    with fastgen.unpatched():
+        assert not switches.switched_on()
+    others = sorted(set(fastgen.known_features()) - registry.OPT_IN_FEATURES - {"continuous"})
+    with fastgen.patched(others):
+        assert not switches.switched_on()
+        assert next(r for r in fastgen.status() if r.feature == "continuous").state.startswith("disabled")
+    assert switches.switched_on()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(num_beams=2, max_new_tokens=8), dict(do_sample=True, top_k=20, max_new_tokens=8)],
+    ids=["beam2", "sample"],
+)
+@pytest.mark.parametrize("off", ["not-selected", "unpatched"])
+def test_switched_off_runs_generate_on_each_input_alone(off, kwargs):
+    """Off, generate_many runs ``generate`` per input (each sampled input under its seed ``S + i``): the results
+    continuous batching gives, without its loop and without a fallback warning."""
+    model = harness.tiny_hf_model("bart")
+    inputs = make_inputs(4)
+    others = sorted(set(fastgen.known_features()) - registry.OPT_IN_FEATURES - {"continuous"})
+    seed = 11 if kwargs.get("do_sample") else None
+    on = list(generate_many(model, inputs, batch_rows=4, seed=seed, **kwargs))
+    scope = fastgen.patched(others) if off == "not-selected" else fastgen.unpatched()
+    with scope, fastgen.report() as rep:
+        results = list(generate_many(model, inputs, batch_rows=4, seed=seed, **kwargs))
+    assert "continuous" not in rep.ran and not rep.fell_back, str(rep)
+    for index, (ids, got, continuous) in enumerate(zip(inputs, results, on, strict=True)):
+        if seed is not None:
+            torch.manual_seed(seed + index)
+        expected = alone(model, ids, kwargs).sequences
+        assert torch.equal(got, expected) and torch.equal(continuous, expected), index
+
+
+def test_fastgen_features_selects_continuous_batching():
+    code = (
+        "import fastgen, fastgen.continuous.settings as s; "
+        "print(s.switched_on(), 'continuous' in fastgen.known_features())"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTGEN_")}
+
+    def run(**extra: str) -> str:
+        command = [sys.executable, "-c", code]
+        return subprocess.run(command, capture_output=True, text=True, env=env | extra, check=True).stdout.strip()
+
+    assert run() == "True True"
+    assert run(FASTGEN_FEATURES="dedup,ngram") == "False True"
+    assert run(FASTGEN_FEATURES="continuous") == "True True"
+    assert run(FASTGEN_DISABLE="1") == "False True"

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fastgen.continuous import settings as switches
 from fastgen.continuous.decoder_only import run_decoder_only
 from fastgen.continuous.scheduler import FEATURE, run_continuous
 from fastgen.continuous.search import Finished
@@ -62,6 +63,8 @@ def generate_many(
     """
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise ValueError(f"batch_rows must be a positive integer, got {batch_rows!r}")
+    if not switches.switched_on():  # feature "continuous" off (enable(features=...), FASTGEN_FEATURES, unpatched())
+        return _each_alone(model, inputs, seed, return_scores, generate_kwargs)
     settings, reason = resolve(model, generate_kwargs)
     if reason is not None:
         if seed is not None and _samples(model, generate_kwargs):
@@ -74,6 +77,16 @@ def generate_many(
         run = run_decoder_only(model, inputs, settings, batch_rows, generate_kwargs, seeds=seeds)
         return _results(run, return_scores)
     return _results(run_continuous(model, inputs, settings, batch_rows, seeds=seeds), return_scores)
+
+
+def _each_alone(
+    model: Any, inputs: Iterable[Any], seed: Any, return_scores: bool, kwargs: dict[str, Any]
+) -> Iterator[Any]:
+    """Continuous batching switched off: ``generate`` on each input alone (each sampled input under its seed),
+    which is what continuous batching returns for it."""
+    if _samples(model, kwargs):
+        return _seeded_alone(model, inputs, _seeds(seed), return_scores, kwargs)
+    return _static_batches(model, inputs, 1, return_scores, kwargs)  # batches of one input
 
 
 def _seeds(seed: int | Iterable[int] | None) -> Iterator[int]:

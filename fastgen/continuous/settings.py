@@ -10,6 +10,7 @@ warpers (typical, epsilon, eta) fall back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -73,6 +74,24 @@ def _is_default(key: str, value: Any, default: Any) -> bool:
     if value == default or (value in (None, False) and default in (None, False)):
         return True
     return key in _NEUTRAL and value == _NEUTRAL[key]
+
+
+def switched_on() -> bool:
+    """Whether ``generate_many`` runs continuous batching: not as defined here. The "continuous" patch
+    (:mod:`fastgen.optimizer.transformers.patches`) replaces this function while the feature is applied, so
+    ``fastgen.enable(features=[...])``, ``FASTGEN_FEATURES``, ``disable()`` and ``unpatched()`` (this thread
+    only) switch continuous batching as they switch every other feature, and ``status()`` lists it. Read it
+    through the module (``settings.switched_on()``), where the patch installs itself."""
+    return False
+
+
+def make_switched_on(original: Callable[[], bool]) -> Callable[[], bool]:
+    """The "continuous" patch's replacement of :func:`switched_on`."""
+
+    def switched_on() -> bool:
+        return True
+
+    return switched_on
 
 
 def cache_kwarg(model: Any) -> str:
