@@ -261,3 +261,15 @@ def test_fastgen_features_selects_continuous_batching():
     assert run(FASTGEN_FEATURES="dedup,ngram") == "False True"
     assert run(FASTGEN_FEATURES="continuous") == "True True"
     assert run(FASTGEN_DISABLE="1") == "False True"
+
+
+def test_the_cli_keeps_static_batches_when_switched_off(caplog):
+    """``fastgen-generate-hf`` asks :func:`resolve` whether to stream; off, it says why and keeps static batches."""
+    from fastgen.cli import continuous_hf
+
+    model = harness.tiny_hf_model("bart")
+    others = sorted(set(fastgen.known_features()) - registry.OPT_IN_FEATURES - {"continuous"})
+    assert continuous_hf.serves(model, dict(num_beams=2)) is not None
+    with fastgen.patched(others), caplog.at_level(logging.INFO, logger=continuous_hf.logger.name):
+        assert continuous_hf.serves(model, dict(num_beams=2)) is None
+    assert "feature 'continuous' is switched off" in caplog.text

@@ -161,6 +161,8 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | None]:
     """The settings of ``model.generate(**kwargs)`` for one input, or the reason this scheduler cannot serve it."""
+    if not switched_on():
+        return None, "feature 'continuous' is switched off (fastgen.enable, FASTGEN_FEATURES or unpatched())"
     config = model.config
     decoder_only = not getattr(config, "is_encoder_decoder", False)
     families = DECODER_ONLY_FAMILIES if decoder_only else FAMILIES
