@@ -273,3 +273,13 @@ def test_the_cli_keeps_static_batches_when_switched_off(caplog):
     with fastgen.patched(others), caplog.at_level(logging.INFO, logger=continuous_hf.logger.name):
         assert continuous_hf.serves(model, dict(num_beams=2)) is None
     assert "feature 'continuous' is switched off" in caplog.text
+
+
+def test_a_hooked_module_shared_with_the_encoder_falls_back():
+    """The private copy follows the first path to a module: one shared with the encoder (reached first through
+    it) would leave the decoder's stock, so such a model is not served rather than served wrong."""
+    model = harness.tiny_hf_model("bart")
+    model.get_encoder().embed_positions = model.get_decoder().embed_positions
+    with fastgen.report() as rep:
+        list(generate_many(model, make_inputs(2), batch_rows=2, num_beams=2, max_new_tokens=4))
+    assert "continuous" not in rep.ran and "shared with another part" in str(rep.fell_back), rep.fell_back

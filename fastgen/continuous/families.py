@@ -95,10 +95,15 @@ def private_copy(model: nn.Module, modules: list[nn.Module]) -> tuple[nn.Module,
     return root, found
 
 
-def path_problem(model: nn.Module, modules: list[nn.Module]) -> str | None:
-    """Why a private copy would not run the code of its copied modules: one of them (or ``model``) has an
-    instance ``forward`` or a compiled call (``torch.compile``, another library's hook), bound to the
-    original module, so its copy would call the shared original and skip the hooks."""
+def path_problem(model: nn.Module, hooked: Callable[[Any], list[nn.Module]]) -> str | None:
+    """Why a private copy would not run the hooks on the modules ``hooked(model)`` lists: one of them or a
+    module on the way to them (``model`` included) has an instance ``forward`` or a compiled call
+    (``torch.compile``, another library's hook) bound to the original, which the copy would call; or one is
+    shared, first reached by another path than the one the decoder takes."""
+    modules = hooked(model)
+    copy, copies = private_copy(model, modules)
+    if any(found is not made for found, made in zip(hooked(copy), copies, strict=True)):
+        return "a module the position hooks replace is shared with another part of the model"
     for path in module_paths(model, modules):
         module = model
         for depth in range(len(path) + 1):

@@ -258,7 +258,7 @@ def _module_problem(model: Any, decoder_only: bool) -> str | None:
             return f"{'module ' + name if name else 'the model'} is compiled (torch.compile)"
     if decoder_only:
         return None
-    return path_problem(model, ADAPTERS[model.config.model_type].hooked(model))
+    return path_problem(model, ADAPTERS[model.config.model_type].hooked)
 
 
 def _active_unsupported_warper(gen: GenerationConfig) -> str | None:
