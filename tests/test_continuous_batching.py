@@ -144,12 +144,7 @@ def test_planted_bug_is_caught(models, monkeypatch, family):
     inputs = make_inputs(12, seed=8)
     settings, _ = resolve(model, kwargs)
 
-    def stock_positions(model, positions):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    monkeypatch.setattr(model_calls, "row_positions", stock_positions)
+    monkeypatch.setattr(model_calls, "row_positions", lambda model, positions: model)  # the stock modules
     results = [r.sequences for r in run_continuous(model, inputs, settings, batch_rows=3)]
     wrong = [i for i, ids in enumerate(inputs) if not torch.equal(results[i], alone(model, ids, kwargs).sequences)]
     assert wrong, "the comparison should see wrong positions"
@@ -162,8 +157,7 @@ def test_m2m_100_positions_per_row(models):
     module = model.get_decoder().embed_positions
     ids = torch.tensor([[5], [harness.PAD], [7], [9]])
     positions = torch.tensor([0, 3, 9, 4])
-    with model_calls.row_positions(model, [positions]):
-        rows = module(ids, None, int(positions.max()))
+    rows = model_calls.row_positions(model, [positions]).get_decoder().embed_positions(ids, None, int(positions.max()))
     for row, position in enumerate(positions.tolist()):
         assert torch.equal(rows[row : row + 1], module(ids[row : row + 1], None, position)), row
 
@@ -181,14 +175,16 @@ def test_relative_bias_per_row(models, family):
         if b.layer[0].SelfAttention.has_relative_attention_bias
     ]
     assert len(modules) == (1 if family == "t5" else len(model.get_decoder().block))
-    for module in modules:
-        with model_calls.row_positions(model, [positions]):
-            bias = module.compute_bias(1, width, past_seen_tokens=width - 1)
+    private = model_calls.row_positions(model, [positions])
+    copies = [b.layer[0].SelfAttention for b in private.get_decoder().block]
+    for module, copy in zip(modules, [c for c in copies if c.has_relative_attention_bias], strict=True):
+        assert copy is not module
+        bias = copy.compute_bias(1, width, past_seen_tokens=width - 1)
         assert bias.shape == (len(positions), module.n_heads, 1, width)
         for row, position in enumerate(positions.tolist()):
             alone_bias = module.compute_bias(1, position + 1, past_seen_tokens=position)
             assert torch.equal(bias[row : row + 1, :, :, : position + 1], alone_bias), row
-    assert all("compute_bias" not in module.__dict__ for module in modules), "the stock method is back"
+    assert all("compute_bias" not in module.__dict__ for module in modules), "the user's modules are untouched"
 
 
 @requires_feature("gemm")
@@ -199,7 +195,8 @@ def test_generate_s_gemm_scopes_run_in_continuous_batching(models):
     model, inputs, kwargs = models["bart"], make_inputs(6), dict(num_beams=2, max_new_tokens=12)
     packs = fast_linear.unavailable() is None  # else fast_gemm falls back to upstream's linears
     runs = {}
-    for features in (["dedup"], ["dedup", "gemm"], ["dedup", "fast_gemm"], ["dedup", "int8"]):
+    base = ["continuous", "dedup"]
+    for features in (base, [*base, "gemm"], [*base, "fast_gemm"], [*base, "int8"]):
         with fastgen.patched(features), fastgen.report() as report:
             runs[features[-1]] = list(generate_many(model, inputs, batch_rows=4, **kwargs))
         assert ("gemm" in report.ran) == ("gemm" in features), (features, str(report))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fastgen.continuous import fallback
+from fastgen.continuous import settings as switches
 from fastgen.continuous.arguments import check_batch_rows, check_generate_kwargs, seed_stream, token_rows
 from fastgen.continuous.decoder_only import run_decoder_only
 from fastgen.continuous.scheduler import FEATURE, run_continuous
@@ -73,12 +74,12 @@ def generate_many(
     check_generate_kwargs(generate_kwargs, return_scores)
     seeds = seed_stream(seed)
     rows = token_rows(model, inputs)
+    if not switches.switched_on():  # feature "continuous" off (enable(features=...), FASTGEN_FEATURES, unpatched())
+        seeds = _drawn(seeds) if _samples(model, generate_kwargs) else None
+        return fallback.alone(model, rows, seeds, return_scores, generate_kwargs)
     settings, reason = resolve(model, generate_kwargs)
     sampling = settings.do_sample if settings is not None else _samples(model, generate_kwargs)
-    if not sampling:
-        seeds = None
-    elif seeds is None:  # as generate, from torch's global generator: S drawn once, input i sampled from S + i
-        seeds = itertools.count(int(torch.randint(0, 2**62, ()).item()))
+    seeds = _drawn(seeds) if sampling else None
     if reason is not None:
         if fallback.batch_invariant(model, generate_kwargs):
             warn_fallback(FEATURE, f"{reason}: plain generate per static batch, each input's rows cut to its width")
@@ -89,6 +90,11 @@ def generate_many(
         run = run_decoder_only(model, rows, settings, int(batch_rows), generate_kwargs, seeds=seeds)
         return _results(run, return_scores)
     return _results(run_continuous(model, rows, settings, int(batch_rows), seeds=seeds), return_scores)
+
+
+def _drawn(seeds: Iterator[int] | None) -> Iterator[int]:
+    """The given seeds, or, as ``generate``, from torch's global generator: S drawn once, input i gets S + i."""
+    return seeds if seeds is not None else itertools.count(int(torch.randint(0, 2**62, ()).item()))
 
 
 def _samples(model: Any, kwargs: dict[str, Any]) -> bool:

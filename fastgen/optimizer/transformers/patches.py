@@ -181,3 +181,19 @@ PATCHES += [
         expects=("self", "inputs", "generation_config"),
     ),
 ]
+
+# ---------------------------------------------------------------------------- continuous
+# Continuous batching (fastgen.generate_many) is fastgen's own loop, not a hook of Transformers; this patch is
+# its switch, so it is listed and selected like every other feature. Off (not selected, fastgen disabled,
+# inside unpatched(), or a release whose structure the contract does not know), generate_many runs generate
+# on each input alone, which is what continuous batching returns for it.
+PATCHES += [
+    Patch(
+        feature="continuous",
+        target="fastgen.continuous.settings:switched_on",
+        factory="fastgen.continuous.settings:make_switched_on",
+        package="transformers",
+        versions=HF_VERSIONS,
+        requires=CONTRACT,
+    ),
+]
