@@ -147,11 +147,6 @@ def packed_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _run_packed(module, x) if choice["packed"] <= choice["linear"] else _upstream(module, x)
 
 
-def packed_conv1d(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Transformers' ``Conv1D`` (GPT-2: ``x @ weight + bias``, weight ``(in, out)``) through oneDNN."""
-    return packed_linear(module, x)
-
-
 def prepack(module: torch.nn.Module) -> int:
     """Pack ``module``'s weight now, checking its content (once per call); returns the copy's bytes."""
     return _packed.refresh(module)

@@ -8,7 +8,8 @@ Two modes swap the linears of a model for one ``generate`` call:
 :func:`mode_linears` gives every plain ``nn.Linear`` (and Transformers ``Conv1D``) of the model with
 CPU fp32 weights an instance ``forward`` of the mode and removes them when the block ends, so the
 user's modules are left exactly as they were. Nested and concurrent scopes over the same modules share
-one installation (a counter); a module already taken by the other mode is left to it (so with both
+one installation (a counter), and the installed forwards serve only the threads inside a scope (another
+thread's call on the same model meanwhile runs upstream's op); a module already taken by the other mode is left to it (so with both
 features on, the one entered first serves: int8, whose hook wraps fast_gemm's). On entry each
 module's derived weight is checked against the weight's content and rebuilt if it changed in any
 way (:mod:`fastgen.ops.weight_cache`), once per call. Under ``torch.compile`` the installed forwards
@@ -55,9 +56,15 @@ _int8_weights = DerivedWeights(_int8_prepare)
 
 
 def _int8_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if not int8_linear.runs_int8(module.weight, x):
+    if not int8_linear.runs_int8(module.weight, x) or not _entered_here(module):
         return type(module).forward(module, x)
     return int8_linear.int8_linear(x, _int8_weights.get(module), module.bias)
+
+
+def _packed_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not fast_linear.runs_packed(module.weight, x) or not _entered_here(module):
+        return type(module).forward(module, x)
+    return fast_linear.packed_linear(module, x)
 
 
 def int8_bytes() -> int:
@@ -75,7 +82,7 @@ FAST_GEMM = LinearMode(
     "on oneDNN with packed weights",
     fast_linear.unavailable,
     fast_linear.module_problem,
-    fast_linear.packed_linear,
+    _packed_forward,
     fast_linear.prepack,
 )
 INT8 = LinearMode(
@@ -89,6 +96,14 @@ INT8 = LinearMode(
 
 _lock = threading.Lock()
 _installed: dict[int, tuple[str, int]] = {}  # id(linear) -> (feature, generate calls using its forward)
+_threads: dict[int, dict[int, int]] = {}  # id(linear) -> {thread that entered a scope over it: how many times}
+
+
+def _entered_here(module: torch.nn.Module) -> bool:
+    """Whether this thread is inside a scope over ``module``: another thread's plain (or ``unpatched()``)
+    call on the same model meanwhile runs upstream's op. Read only outside ``torch.compile`` tracing (the
+    forwards check ``runs_*`` first, which is False while tracing)."""
+    return threading.get_ident() in _threads.get(id(module), ())
 
 
 def installed(module: torch.nn.Module | None) -> str | None:
@@ -134,6 +149,7 @@ def mode_linears(model: torch.nn.Module, mode: LinearMode, check_weights: bool =
             fallback(mode.feature, problem or "no CPU float32 nn.Linear modules in the model")
         yield
         return
+    thread = threading.get_ident()
     with _lock:
         if check_weights:
             extra = sum(mode.prepare(module) for module in modules)
@@ -143,14 +159,20 @@ def mode_linears(model: torch.nn.Module, mode: LinearMode, check_weights: bool =
             if count == 0:
                 module.forward = types.MethodType(mode.forward, module)
             _installed[id(module)] = (feature, count + 1)
+            threads = _threads.setdefault(id(module), {})
+            threads[thread] = threads.get(thread, 0) + 1
     try:
         yield
     finally:
         with _lock:
             for module in modules:
                 feature, count = _installed[id(module)]
+                threads = _threads[id(module)]
+                threads[thread] -= 1
+                if not threads[thread]:
+                    del threads[thread]
                 if count == 1:
-                    del _installed[id(module)]
+                    del _installed[id(module)], _threads[id(module)]
                     del module.forward
                 else:
                     _installed[id(module)] = (feature, count - 1)

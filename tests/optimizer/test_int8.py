@@ -219,3 +219,31 @@ def test_row_max_is_the_largest_magnitude_of_each_row(rows):
     x[1, 7] = -50.0  # a row whose largest magnitude is negative
     expected = x.abs().amax(dim=1, keepdim=True).clamp_min(int8_linear.TINY)
     assert torch.equal(int8_linear._row_max(x), expected)
+
+
+@pytest.mark.parametrize("scope", ["int8", "fast_gemm"])
+def test_another_thread_meanwhile_runs_upstream_op(scope):
+    """The forwards are installed on the shared modules, but serve only the thread inside the scope."""
+    import threading
+
+    model = harness.tiny_hf_model("bart")
+    head = model.get_output_embeddings()
+    x = torch.randn(3, model.config.d_model)
+    entered, done = threading.Event(), threading.Event()
+
+    def inside():
+        with (linear_modes.int8_linears if scope == "int8" else linear_modes.packed_linears)(model):
+            entered.set()
+            done.wait(timeout=30)
+
+    thread = threading.Thread(target=inside)
+    thread.start()
+    try:
+        assert entered.wait(timeout=30)
+        assert linear_modes.installed(head) == scope
+        with torch.no_grad():
+            assert torch.equal(head(x), F.linear(x, head.weight))
+    finally:
+        done.set()
+        thread.join()
+    assert linear_modes.installed(head) is None
