@@ -9,8 +9,9 @@ Two modes swap the linears of a model for one ``generate`` call:
 CPU fp32 weights an instance ``forward`` of the mode and removes them when the block ends, so the
 user's modules are left exactly as they were. Nested and concurrent scopes over the same modules share
 one installation (a counter), and the installed forwards serve only the threads inside a scope (another
-thread's call on the same model meanwhile runs upstream's op); a module already taken by the other mode is left to it (so with both
-features on, the one entered first serves: int8, whose hook wraps fast_gemm's). On entry each
+thread's call on the same model meanwhile runs upstream's op); a module already taken by the other
+mode is left to it (so with both features on, the one entered first serves: int8, whose hook wraps
+fast_gemm's). On entry each
 module's derived weight is checked against the weight's content and rebuilt if it changed in any
 way (:mod:`fastgen.ops.weight_cache`), once per call. Under ``torch.compile`` the installed forwards
 run upstream's op without a graph break.
