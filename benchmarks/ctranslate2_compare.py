@@ -34,20 +34,10 @@ from typing import Any
 import torch
 
 import fastgen
-from benchmarks.measure import environment, rotating_order
+from benchmarks.measure import cpu_isa, environment, rotating_order
 from benchmarks.scenarios import SCENARIOS
 from fastgen.ops import linear
-from fastgen.ops.int8_linear import cpu_flags
 from fastgen.optimizer.linear_modes import int8_linears, packed_linears
-
-#: The instruction-set extensions that decide GEMM speed, recorded with every result.
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8")
-
-
-def cpu_isa() -> list[str]:
-    """Which of :data:`ISA_FLAGS` this CPU has."""
-    return [flag for flag in ISA_FLAGS if flag in cpu_flags()]
-
 
 MODES: dict[str, dict[str, Any]] = {
     "beam4-norepeat3": dict(num_beams=4, no_repeat_ngram_size=3),

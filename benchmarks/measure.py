@@ -125,30 +125,26 @@ def environment(device: str) -> dict[str, Any]:
     else:
         facts["device"] = _cpu_name()
         facts["cpu_count"] = os.cpu_count()
-        facts["cpu_isa"] = cpu_instruction_sets()
+        facts["cpu_isa"] = cpu_isa()
         facts["cpu_kind"] = cpu_kind(facts["cpu_isa"])
     return facts
 
 
-# The flags that decide which GEMM kernels a CPU runs (fp32 AVX2/AVX-512, int8 VNNI, AMX tiles).
-_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+#: The instruction-set extensions that decide GEMM speed, recorded with every CPU result.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8")
 
 
-def cpu_instruction_sets() -> list[str]:
-    """Which of ``_ISA_FLAGS`` /proc/cpuinfo lists: results of AVX2 and AVX-512 machines differ."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return [flag for flag in _ISA_FLAGS if flag in flags]
+def cpu_isa() -> list[str]:
+    """Which of :data:`ISA_FLAGS` this CPU has: results of AVX2 and AVX-512 machines differ."""
+    from fastgen.ops.int8_linear import cpu_flags
+
+    return [flag for flag in ISA_FLAGS if flag in cpu_flags()]
 
 
 def cpu_kind(isa: list[str]) -> str:
     """The widest of amx / avx512 / avx2 the CPU has (a short name for result files)."""
-    return next(
-        (kind for kind, flag in (("amx", "amx_int8"), ("avx512", "avx512f"), ("avx2", "avx2")) if flag in isa), "cpu"
-    )
+    kinds = (("amx", "amx_int8"), ("avx512", "avx512f"), ("avx2", "avx2"))
+    return next((kind for kind, flag in kinds if flag in isa), "cpu")
 
 
 def _cpu_name() -> str:
