@@ -229,29 +229,44 @@ def batches(
             yield {**source_batch(sources), "labels": labels}
 
 
-def held_out_scores(model: Any, test: list[dict[str, Any]], batch_size: int = 32) -> dict[str, float]:
+def held_out_scores(model: Any, test: list[dict[str, Any]], batch_size: int = 32) -> dict[str, Any]:
     """Teacher-forced on the references: per-token cross-entropy, entropy of the predictive distribution
-    and argmax accuracy (nats; a uniform guess has entropy ln V, a model that only copies has ~0)."""
-    loss = entropy = correct = count = 0.0
+    and argmax accuracy (nats; a uniform guess has entropy ln V, a model that only copies has ~0), over all
+    target tokens and apart for the masked ones (guessed) and the others (copied, and the final </s>)."""
+    sums = {group: torch.zeros(4, dtype=torch.float64) for group in ("masked", "copied")}
     with torch.inference_mode():
         for b in range(0, len(test), batch_size):
             rows = test[b : b + batch_size]
             labels = pad([r["target_ids"] for r in rows], -100)
             logits = model(**source_batch([r["source_ids"] for r in rows]), labels=labels).logits
             logp = torch.log_softmax(logits.float(), dim=-1)
-            keep = labels != -100
             target = labels.clamp(min=0)
-            loss -= logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)[keep].sum().item()
-            entropy -= (logp.exp() * logp).sum(-1)[keep].sum().item()
-            correct += (logp.argmax(-1) == target)[keep].sum().item()
-            count += keep.sum().item()
+            per_token = torch.stack(
+                [
+                    -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1),
+                    -(logp.exp() * logp).sum(-1),
+                    (logp.argmax(-1) == target).float(),
+                    torch.ones_like(target, dtype=torch.float32),
+                ]
+            ).double()
+            masked = pad([r["source_ids"][1:] for r in rows], PAD) == MASK_ID  # source token i + 1 <-> target i
+            sums["masked"] += per_token[:, masked].sum(-1)
+            sums["copied"] += per_token[:, (labels != -100) & ~masked].sum(-1)
+
+    def scores(loss: float, entropy: float, correct: float, count: float) -> dict[str, float]:
+        return {
+            "cross_entropy_nats_per_token": loss / count,
+            "predictive_entropy_nats_per_token": entropy / count,
+            "argmax_accuracy": correct / count,
+            "target_tokens": int(count),
+        }
+
+    every = scores(*(sums["masked"] + sums["copied"]).tolist())
     return {
-        "cross_entropy_nats_per_token": loss / count,
-        "perplexity": math.exp(loss / count),
-        "predictive_entropy_nats_per_token": entropy / count,
+        **every,
+        "perplexity": math.exp(every["cross_entropy_nats_per_token"]),
         "uniform_entropy_nats": math.log(model.config.vocab_size),
-        "argmax_accuracy": correct / count,
-        "target_tokens": int(count),
+        **{f"{group}_tokens": scores(*values.tolist()) for group, values in sums.items()},
     }
 
 

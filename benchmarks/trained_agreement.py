@@ -4,7 +4,8 @@
         [--modes beam4,greedy] [--threads 1] [--rounds 3] [--batch-size 16] [--out FILE.json]
 
 The model, its test set and its CTranslate2 conversion are those ``benchmarks.train_small_model``
-wrote. Candidates decode the same test batches with the same settings (``train_small_model.GENERATE``,
+wrote; its held-out cross-entropy and predictive entropy (masked and copied tokens apart) are recorded
+with the results. Candidates decode the same test batches with the same settings (``train_small_model.GENERATE``,
 natural end at ``</s>``): upstream Transformers (``fastgen.unpatched()``, the reference), fastgen's
 default (exact) features, fastgen + ``fast_gemm``, fastgen + ``int8`` where fastgen knows that feature,
 and CTranslate2 float32 and int8_float32 on the converted model. Per candidate: the share of sentences
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sys.stdout.flush()
 
     training = json.loads((args.model_dir / "training.json").read_text())
+    with fastgen.unpatched():
+        held_out = trained.held_out_scores(model, test)
     env = environment("cpu")
     report = {
         "benchmark": "trained_agreement",
@@ -189,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "corpus": training["corpus"],
             "parameters": training["parameters"],
             "held_out": training["held_out"],
+            "held_out_here": held_out,  # recomputed from the saved model: masked and copied tokens apart
         },
         "test_sentences": len(test),
         "batch_size": args.batch_size,

@@ -39,7 +39,9 @@ def test_training_saves_model_tokenizer_test_set_and_conversion(model_dir):
         assert all(s in (t, trained.MASK_ID) for s, t in zip(source, target, strict=True))
     held_out = report["held_out"]
     assert 0 < held_out["predictive_entropy_nats_per_token"] <= held_out["uniform_entropy_nats"] + 1e-6
-    assert {"beam4_bleu", "beam4_chrf", "cross_entropy_nats_per_token"} <= held_out.keys()
+    assert {"beam4_bleu", "beam4_chrf", "cross_entropy_nats_per_token", "masked_tokens"} <= held_out.keys()
+    parts = held_out["masked_tokens"]["target_tokens"] + held_out["copied_tokens"]["target_tokens"]
+    assert parts == held_out["target_tokens"] == sum(len(row["target_ids"]) for row in test)
 
 
 def test_test_sentences_are_not_training_sentences():
