@@ -10,7 +10,8 @@ natural end at ``</s>``): upstream Transformers (``fastgen.unpatched()``, the re
 default (exact) features, fastgen + ``fast_gemm``, fastgen + ``int8`` where fastgen knows that feature,
 and CTranslate2 float32 and int8_float32 on the converted model. Per candidate: the share of sentences
 whose generated ids equal upstream's, the share of positions that agree (over the longer of the two),
-BLEU and chrF (sacrebleu) against the references, and the median wall and process CPU time of decoding
+how many of the differing sentences first differ where the source has ``<mask>``, BLEU and chrF
+(sacrebleu) against the references, and the median wall and process CPU time of decoding
 the whole test set (rotating order after a warm-up batch; the 1-minute load is recorded). The int8
 candidates are also compared with their own fp32 engine, which separates quantization from the
 differences between two beam searches (CTranslate2's early exit and length normalization are its own;
@@ -61,6 +62,19 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, f
     same = sum(sum(x == y for x, y in zip(a, b, strict=False)) for a, b in zip(reference, other, strict=True))
     total = sum(max(len(a), len(b)) for a, b in zip(reference, other, strict=True))
     return {"sequence_match": same_rows / len(reference), "token_agreement": same / total if total else 1.0}
+
+
+def divergences_on_masks(reference: list[list[int]], other: list[list[int]], test: list[dict[str, Any]]) -> str:
+    """Of the sentences that differ, how many first differ where the source has <mask> at that position:
+    the source keeps the target's positions, so this says whether a flip came where the model guesses."""
+    on_mask = differ = 0
+    for a, b, row in zip(reference, other, test, strict=True):
+        if a != b:
+            differ += 1
+            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            source = row["source_ids"][1:]
+            on_mask += first < len(source) and source[first] == trained.MASK_ID
+    return f"{on_mask}/{differ}"
 
 
 def _summary(name: str, r: dict[str, Any]) -> str:
@@ -163,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             hypotheses = [trained.decode(tokenizer, row) for row in ids]
             row: dict[str, Any] = {
                 "vs_upstream": agreement(outputs["upstream"], ids),
+                "first_divergence_on_a_mask": divergences_on_masks(outputs["upstream"], ids, test),
                 **trained.quality(hypotheses, references),
                 "median_wall_seconds": statistics.median(wall[name]),
                 "median_cpu_seconds": statistics.median(cpu[name]),

@@ -72,3 +72,12 @@ def test_agreement_script_exact_mode_equals_upstream(model_dir, tmp_path):
         assert candidates["fastgen_exact"]["vs_upstream"] == {"sequence_match": 1.0, "token_agreement": 1.0}
         assert all({"bleu", "chrf", "median_wall_seconds", "vs_upstream"} <= c.keys() for c in candidates.values())
         assert ("fastgen_int8" in candidates) == report["int8_feature"]
+
+
+def test_divergences_are_located_against_the_masks():
+    m = trained.MASK_ID
+    test = [{"source_ids": [0, 7, m, 9, 2]}, {"source_ids": [0, 7, m, 9, 2]}, {"source_ids": [0, 7, 8, 9, 2]}]
+    reference = [[7, 8, 9], [7, 8, 9], [7, 8, 9]]
+    other = [[7, 5, 9], [7, 8, 6], [7, 8, 9]]  # first differs on the mask, second after it, third equal
+    assert trained_agreement.divergences_on_masks(reference, other, test) == "1/2"
+    assert trained_agreement.agreement(reference, other) == {"sequence_match": 1 / 3, "token_agreement": 7 / 9}
