@@ -5,18 +5,19 @@
 
 The model, its test set and its CTranslate2 conversion are those ``benchmarks.train_small_model``
 wrote; its held-out cross-entropy and predictive entropy (masked and copied tokens apart) are recorded
-with the results. Candidates decode the same test batches with the same settings (``train_small_model.GENERATE``,
-natural end at ``</s>``): upstream Transformers (``fastgen.unpatched()``, the reference), fastgen's
-default (exact) features, fastgen + ``fast_gemm``, fastgen + ``int8`` where fastgen knows that feature,
-and CTranslate2 float32 and int8_float32 on the converted model. Per candidate: the share of sentences
-whose generated ids equal upstream's, the share of positions that agree (over the longer of the two),
-how many of the differing sentences first differ where the source has ``<mask>``, BLEU and chrF
-(sacrebleu) against the references, and the median wall and process CPU time of decoding
-the whole test set (rotating order after a warm-up batch; the 1-minute load is recorded). The int8
-candidates are also compared with their own fp32 engine, which separates quantization from the
-differences between two beam searches (CTranslate2's early exit and length normalization are its own;
-its ``min_decoding_length`` is set to 0, Transformers' default, where its own default 1 forbids an
-immediate ``</s>``).
+with the results. Candidates decode the same test batches with the same settings
+(``train_small_model.GENERATE``, natural end at ``</s>``): upstream Transformers (``fastgen.unpatched()``,
+the reference), fastgen's default (exact) features, fastgen + ``fast_gemm``, fastgen + ``int8`` where
+fastgen knows that feature, and CTranslate2 float32 and int8_float32 on the converted model.
+
+Per candidate: the share of sentences whose generated ids equal upstream's, the share of positions that
+agree (over the longer of the two), how many of the differing sentences first differ where the source
+has ``<mask>``, BLEU and chrF (sacrebleu) against the references, and the median wall and process CPU
+time of decoding the whole test set (rotating order after a warm-up batch; the 1-minute load is
+recorded). The int8 candidates are also compared with their own fp32 engine, which separates
+quantization from the differences between two beam searches (CTranslate2's early exit and length
+normalization are its own; its ``min_decoding_length`` is set to 0, Transformers' default, where its
+own default 1 forbids an immediate ``</s>``).
 """
 
 from __future__ import annotations
