@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="H-/D-/P- scores byte-identical to fairseq-generate's: turn off fastgen's beam-shared "
         "cross-attention (dedup), whose grouped query-key product rounds differently in the last digits "
-        "(tokens are identical either way; see the README)",
+        "(tokens are identical either way; see docs/guides/cli.md)",
     )
     return parser
 
