@@ -7,7 +7,7 @@ task, a 1+1-layer transformer, d=16, three updates of ``fairseq-train``); ``fast
 decodes the test split with beam 4 twice in one process, with the default (exact) features and
 with ``fast_gemm`` added, and the script compares the hypotheses line by line and the BLEU lines.
 A barely trained, narrow model: the reductions are 16–32 long, so this is weak evidence of
-agreement on large models (the random-weight bart-base / marian figures are in the README table).
+agreement on large models (the random-weight bart-base / marian figures are in docs/benchmarks/ctranslate2.md).
 """
 
 from __future__ import annotations

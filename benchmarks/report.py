@@ -16,7 +16,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-CT2_BEGIN, CT2_END = "<!-- ctranslate2:begin -->", "<!-- ctranslate2:end -->"
 
 
 def _row(r: dict, notes: list[str]) -> str | None:
@@ -105,8 +104,7 @@ def table(results: list[dict] | None = None) -> str:
     return "\n".join([header, *[r for r in rows if r], *footnotes])
 
 
-# The per-step breakdown tables of benchmarks/beam_steps.py (README, "Beam search per-step breakdown").
-STEPS_BEGIN, STEPS_END = "<!-- beam-steps:begin -->", "<!-- beam-steps:end -->"
+# The per-step breakdown tables of benchmarks/beam_steps.py (docs/benchmarks/beam-search.md).
 _STEP_ROWS = {
     "encoder": "encoder",
     "first_forward": "first forward (prefill)",
