@@ -25,14 +25,14 @@ def _row(r: dict, notes: list[str]) -> str | None:
     s, b, f = r["settings"], r["baseline"], r["fastgen"]
     identical = "yes" if r["identical_outputs"] else "NO"
     if r.get("outputs_note") and not r["identical_outputs"]:
-        note = f"{r['scenario']} ({_device(r['environment'])}): {r['outputs_note']}"
+        note = f"{r['scenario']} ({_device(_environment(r))}): {r['outputs_note']}"
         if note not in notes:
             notes.append(note)
         identical = f"{identical.lower()}, on purpose ({notes.index(note) + 1})"
     features = r.get("features", "all")
     name = r["scenario"] if features == "all" else f"{r['scenario']} ({', '.join(features)} only)"
     return (
-        f"| {name} | {_device(r['environment'])} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
+        f"| {name} | {_device(_environment(r))} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
         f"{s['dtype']} | {b['new_tokens_per_s']:.1f} | {f['new_tokens_per_s']:.1f} | **{r['speedup']:.2f}×** | "
         f"{_cache_ratio(r)} | {identical} | "
         f"{r['environment'].get('git_commit') or '?'} |"
@@ -59,7 +59,11 @@ def cpu_kind(env: dict) -> str:
         if isinstance(value, dict):
             value = [flag for flag, present in value.items() if present]
         if isinstance(value, list | tuple):
-            value = ", ".join(map(str, value))
+            flags = [str(flag) for flag in value]
+            family = (
+                "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+            )
+            value = f"{family}: {', '.join(flags)}" if family else ", ".join(flags)
         if value:
             return str(value)
     return "unknown CPU kind"
@@ -74,8 +78,8 @@ def machine(env: dict) -> str:
 
 def _environment(r: dict) -> dict:
     """A result's environment; the op micro-benchmarks keep theirs under ``machine``."""
-    if "environment" in r:
-        return r["environment"]
+    if "environment" in r:  # some benchmarks record the ISA beside it (ctranslate2_compare: cpu_isa)
+        return r["environment"] | {key: r[key] for key in ISA_KEYS if key in r}
     m = r.get("machine", {})
     return {**m, "device": m.get("cpu", m.get("device", "?")), "torch_threads": m.get("torch_default_threads")}
 

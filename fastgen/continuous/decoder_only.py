@@ -160,6 +160,7 @@ def run_decoder_only(
     stats = {} if stats is None else stats
     stats.update(steps=0, rows=0, prefills=0)
     report.note_ran(FEATURE, "continuous batching (decoder-only)")
+    checked = False  # the weights' int8/packed copies are checked on the first step only
     while True:
         newcomers: list[tuple[int, torch.Tensor, int | None]] = []
         while not exhausted and len(state) + len(newcomers) < slots:
@@ -171,7 +172,8 @@ def run_decoder_only(
             if (ids := _joining(model, settings, item, seed, generate_kwargs, ready)) is not None:
                 newcomers.append((item[0], ids, seed))
         if len(state) or newcomers:
-            with torch.no_grad(), linear_scope(model):  # the GEMM forms generate would run under
+            with torch.no_grad(), linear_scope(model, check_weights=not checked):  # generate's GEMM forms
+                checked = True
                 order, done = _step(model, state, cache, newcomers, stats)
                 _retire(state, cache, order, done, ready)
         elif exhausted:

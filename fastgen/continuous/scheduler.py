@@ -26,7 +26,7 @@ from fastgen.continuous.cache import SlotCache
 from fastgen.continuous.search import Finished, SearchState
 from fastgen.continuous.settings import Settings
 from fastgen.optimizer import registry, report
-from fastgen.optimizer.fast_gemm_scope import packed_linears
+from fastgen.optimizer.linear_modes import int8_linears, packed_linears
 from fastgen.optimizer.transformers.gemm import exact_output_projection
 
 FEATURE = "continuous"
@@ -47,13 +47,16 @@ def _feature_applied(feature: str) -> bool:
 
 
 @contextlib.contextmanager
-def linear_scope(model: Any) -> Iterator[None]:
+def linear_scope(model: Any, check_weights: bool = True) -> Iterator[None]:
     """The GEMM forms ``generate`` runs under with fastgen on: ``gemm`` (exact output projection) and,
-    when the user opted in, ``fast_gemm`` (packed linears). Those features hook ``generate``, which
-    continuous batching does not call, so it enters their scopes itself, per step."""
+    when the user opted in, ``int8`` or ``fast_gemm`` (approximate linears). Those features hook
+    ``generate``, which continuous batching does not call, so it enters their scopes itself, per step;
+    ``check_weights`` (the weights' content against their int8/packed copies) on its first step only."""
     with contextlib.ExitStack() as stack:
+        if _feature_applied("int8"):
+            stack.enter_context(int8_linears(model, check_weights))
         if _feature_applied("fast_gemm"):
-            stack.enter_context(packed_linears(model))
+            stack.enter_context(packed_linears(model, check_weights))
         if _feature_applied("gemm"):
             stack.enter_context(exact_output_projection(model))
         yield
@@ -81,6 +84,7 @@ def run_continuous(
     cross_rows = 1 if share or beams == 1 else beams  # cross K/V rows per input
     state = SearchState(settings, device)
     cache = SlotCache(model_calls.decoder_layers(model))
+    decoder = model_calls.Decoder(model)  # per-row positions on a private copy of the model (this call only)
     encoder_lengths: list[int] = []  # per running input
     queue = enumerate(inputs)
     seed_queue = iter(seeds) if seeds is not None else None
@@ -91,8 +95,9 @@ def run_continuous(
     stats.update(steps=0, rows=0)
     report.note_ran(FEATURE, "continuous batching" + (" with shared cross-attention K/V" if cross_rows == 1 else ""))
     # Nothing stays switched on while the generator is suspended (the caller may run the model between
-    # two results): no_grad and the position hook are entered per step. no_grad, not inference_mode:
-    # results are ordinary tensors, as generate returns them.
+    # two results): no_grad is entered per step; the position hooks live on the call's private copy.
+    # no_grad, not inference_mode: results are ordinary tensors, as generate returns them.
+    checked = False  # the weights' int8/packed copies are checked on the first step only
     while True:
         free = slots - len(state)
         if free > 0 and not exhausted:
@@ -105,12 +110,14 @@ def run_continuous(
                 newcomers.append((item[0], _as_ids(item[1], item[0], device)))
             if newcomers:
                 seeds_now = None if seed_queue is None else [_next_seed(seed_queue, i) for i, _ in newcomers]
-                with torch.no_grad(), linear_scope(model):
+                with torch.no_grad(), linear_scope(model, check_weights=not checked):
+                    checked = True
                     _admit(model, state, cache, encoder_lengths, newcomers, cross_rows, seeds_now)
         if not len(state):
             break
-        with torch.no_grad(), linear_scope(model):
-            order, done = _step(model, state, cache, encoder_lengths, cross_rows, stats)
+        with torch.no_grad(), linear_scope(model, check_weights=not checked):
+            checked = True
+            order, done = _step(decoder, state, cache, encoder_lengths, cross_rows, stats)
             if not any(done):
                 if order is not None:
                     cache.reorder(order)
@@ -127,7 +134,12 @@ def run_continuous(
 
 
 def _step(
-    model: Any, state: SearchState, cache: SlotCache, encoder_lengths: list[int], cross_rows: int, stats: dict
+    decoder: model_calls.Decoder,
+    state: SearchState,
+    cache: SlotCache,
+    encoder_lengths: list[int],
+    cross_rows: int,
+    stats: dict,
 ) -> tuple[torch.Tensor | None, list[bool]]:
     """One decoder step of every running row and the search step after it: the cache rows' new order
     (beam search; applied by the caller, together with retirements: one copy) and which inputs are done."""
@@ -139,8 +151,7 @@ def _step(
     self_mask = (torch.arange(width, device=device) < lengths[:, None]).long()
     enc = torch.tensor(encoder_lengths, device=device).repeat_interleave(cross_rows)
     cross_mask = (torch.arange(cache.cross_width, device=device) < enc[:, None]).long()
-    with model_calls.row_positions(model, [positions]):
-        logits = model_calls.decoder_step(model, state.last_tokens(), self_mask, cross_mask, cache)
+    logits = decoder.step(state.last_tokens(), positions, self_mask, cross_mask, cache)
     stats["steps"] += 1
     stats["rows"] += logits.shape[0]
     return state.step(logits)
