@@ -6,8 +6,10 @@ example (run), every page and link of the site, and the release canary.
 """
 
 import ast
+import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -172,3 +174,22 @@ def test_the_documented_fast_gemm_switch_is_valid():
     features = ast.literal_eval(call)
     assert features == env_line.split(",") and "fast_gemm" in features
     assert set(fastgen.known_features()) - OPT_IN_FEATURES <= set(features)
+
+
+def _readme_command(name: str) -> list[str]:
+    block = re.search(r"## Command line\n\n```bash\n(.*?)```", README, re.S).group(1)
+    line = next(line for line in block.splitlines() if line.startswith(name + " "))
+    return shlex.split(line.split("#")[0])[1:]
+
+
+def test_the_readme_command_lines_parse():
+    """The two CLI lines of the README use options the commands have (fairseq's parser for fastgen-generate)."""
+    from fastgen.cli import generate_hf
+
+    args = generate_hf.build_parser().parse_args(_readme_command("fastgen-generate-hf"))
+    assert (args.num_beams, args.max_new_tokens) == (4, 64)
+    if importlib.util.find_spec("fairseq") is not None:
+        from fastgen.cli import generate
+
+        args = generate.parse_args(_readme_command("fastgen-generate"))
+        assert (args.beam, args.batch_size, args.results_path) == (4, 64, "out/")
