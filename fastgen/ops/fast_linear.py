@@ -11,9 +11,10 @@ why the exact ``gemm`` feature never uses it.
 Which is faster depends on the CPU *and the shape* (on an AVX2-only EPYC oneDNN lost to MKL for
 16 x 3072 -> 768 and for the encoder's 1024-row products, while winning for the vocabulary projection),
 so nothing is assumed: each key (weight shape, row count, threads) runs packed for its first
-:data:`CALIBRATE_AFTER` - 1 calls, then is timed once against ``F.linear`` on the real input
-(alternating rounds) and keeps the faster form (:func:`choices` shows the evidence). The mode is thus
-never slower than upstream's op by more than the timing noise, on any CPU.
+:data:`CALIBRATE_AFTER` - 1 calls, then is timed once against the exact mode's form of the product
+(:func:`fastgen.ops.linear.exact_linear`: ``F.linear``'s bits, in its fastest calibrated form) on the real
+input (alternating rounds) and keeps the faster (:func:`choices` shows the evidence). The mode is thus
+never slower than the exact mode by more than the timing noise, on any CPU.
 
 Memory: the packed weight is a second copy of every weight it serves, kept per module for the process
 while the module lives and re-packed when the weight changes in any way, ``.data`` writes included
@@ -31,14 +32,14 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from fastgen.ops.linear import exact_linear
 from fastgen.ops.weight_cache import DerivedWeights
 
-#: Calls of a key that run packed before the key is timed against ``F.linear`` (the timing costs
+#: Calls of a key that run packed before the key is timed against the exact form (the timing costs
 #: about this many calls; a row count seen only a few times never pays for it).
 CALIBRATE_AFTER = 8
-#: Timing rounds (each runs ``F.linear`` and the packed form once, alternating).
+#: Timing rounds (each runs the exact and the packed form once, alternating).
 ROUNDS = 3
 #: Keys larger than this many multiply-adds are not timed (packed is kept): a long prefill.
 MAX_CALIBRATION_MACS = 4e9
@@ -100,8 +101,9 @@ def runs_packed(weight: torch.Tensor, x: torch.Tensor) -> bool:
     )
 
 
-def _upstream(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return type(module).forward(module, x) if is_conv1d(module) else F.linear(x, module.weight, module.bias)
+def _exact(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Upstream's bits in the exact mode's fastest form (``exact_linear``; Conv1D: its own forward)."""
+    return type(module).forward(module, x) if is_conv1d(module) else exact_linear(x, module.weight, module.bias)
 
 
 def _run_packed(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +122,7 @@ def _calibrate(key: Key, module: torch.nn.Module, x: torch.Tensor) -> torch.Tens
     times: dict[str, list[float]] = {"packed": [], "linear": []}
     for _ in range(ROUNDS):
         _time_into(lambda: _run_packed(module, x), times["packed"])
-        _time_into(lambda: _upstream(module, x), times["linear"])
+        _time_into(lambda: _exact(module, x), times["linear"])
     _choices[key] = {form: sorted(values)[len(values) // 2] for form, values in times.items()}
     return result
 
@@ -128,11 +130,11 @@ def _calibrate(key: Key, module: torch.nn.Module, x: torch.Tensor) -> torch.Tens
 def packed_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` on oneDNN with the module's packed weight where that is the faster form here.
 
-    Runs upstream's op (``F.linear``, or Conv1D's own ``forward``) under ``torch.compile`` tracing, with
+    Runs upstream's bits (``exact_linear``, or Conv1D's own ``forward``) under ``torch.compile`` tracing, with
     autograd, for non-fp32 or non-CPU inputs, and for keys whose timing found it faster.
     """
     if not runs_packed(module.weight, x):
-        return _upstream(module, x)
+        return _exact(module, x)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     key = (*module.weight.shape, rows, torch.get_num_threads())
     choice = _choices.get(key)
@@ -144,7 +146,7 @@ def packed_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             if key not in _choices:
                 return _calibrate(key, module, x)
             choice = _choices[key]
-    return _run_packed(module, x) if choice["packed"] <= choice["linear"] else _upstream(module, x)
+    return _run_packed(module, x) if choice["packed"] <= choice["linear"] else _exact(module, x)
 
 
 def prepack(module: torch.nn.Module) -> int:
@@ -158,7 +160,7 @@ def packed_bytes() -> int:
 
 
 def choices() -> dict[Key, dict[str, float]]:
-    """The timed keys: median milliseconds of the packed form and of ``F.linear`` (reports, tests)."""
+    """The timed keys: median milliseconds of the packed and the exact form (key "linear"; reports, tests)."""
     return dict(_choices)
 
 
