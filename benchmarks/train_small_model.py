@@ -52,7 +52,7 @@ import torch
 import transformers
 
 import fastgen
-from benchmarks.measure import environment
+from benchmarks.measure import environment, result_header, write_result
 
 SPECIAL = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0-4, BART's order
 BOS, PAD, EOS, MASK_ID = 0, 1, 2, 4
@@ -380,8 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _save(model, tokenizer, args.out)
     (args.out / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
     report = {
-        "command": "python -m benchmarks.train_small_model " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **result_header("train_small_model", argv),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "corpus": {
             "source": f"{args.corpus}: pydoc_data/topics.py, standard-library docstrings (PSF license)",
@@ -404,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ],
         "environment": environment("cpu"),
     }
-    (args.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out / "training.json", report)
     sys.stdout.write(json.dumps({"held_out": scores, "train_seconds": train_seconds}, indent=2) + "\n")
     return report
 

@@ -13,18 +13,17 @@ fastgen knows that feature, and CTranslate2 float32 and int8_float32 on the conv
 Per candidate: the share of sentences whose generated ids equal upstream's, the share of positions that
 agree (over the longer of the two), how many of the differing sentences first differ where the source
 has ``<mask>``, BLEU and chrF (sacrebleu) against the references, and the median wall and process CPU
-time of decoding the whole test set (rotating order after a warm-up batch; the 1-minute load is
-recorded). The int8 candidates are also compared with their own fp32 engine, which separates
-quantization from the differences between two beam searches (CTranslate2's early exit and length
-normalization are its own; its ``min_decoding_length`` is set to 0, Transformers' default, where its
-own default 1 forbids an immediate ``</s>``).
+time of decoding the whole test set (``benchmarks.measure.alternate``: a warm-up pass, then rounds in
+rotating order; the load average is recorded). The int8 candidates are also compared with their own
+fp32 engine, which separates quantization from the differences between two beam searches (CTranslate2's
+early exit and length normalization are its own; its ``min_decoding_length`` is set to 0, Transformers'
+default, where its own default 1 forbids an immediate ``</s>``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ import transformers
 
 import fastgen
 from benchmarks import train_small_model as trained
-from benchmarks.measure import environment, rotating_order
+from benchmarks.measure import alternate, environment, result_header, write_result
 
 MODES = {"beam4": 4, "greedy": 1}
 DEFAULT = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES)
@@ -131,22 +130,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for mode in args.modes.split(","):
         num_beams = MODES[mode]
 
-        def hf(features: list[str] | None, num_beams: int = num_beams) -> Callable[[int | None], list[list[int]]]:
-            def decode(limit: int | None = None) -> list[list[int]]:
+        def hf(features: list[str] | None, num_beams: int = num_beams) -> Callable[[], list[list[int]]]:
+            def decode() -> list[list[int]]:
                 scope = fastgen.unpatched() if features is None else fastgen.patched(features)
                 out = []
                 with scope, torch.inference_mode():
-                    for batch in hf_batches[:limit]:
+                    for batch in hf_batches:
                         ids = model.generate(**batch, num_beams=num_beams, **trained.GENERATE)
                         out += [_cut(row[1:]) for row in ids.tolist()]  # without the decoder start token
                 return out
 
             return decode
 
-        def ct2(translator: Any, num_beams: int = num_beams) -> Callable[[int | None], list[list[int]]]:
-            def decode(limit: int | None = None) -> list[list[int]]:
+        def ct2(translator: Any, num_beams: int = num_beams) -> Callable[[], list[list[int]]]:
+            def decode() -> list[list[int]]:
                 out = []
-                for source in ct2_sources[:limit]:
+                for source in ct2_sources:
                     for result in translator.translate_batch(
                         source, beam_size=num_beams, length_penalty=trained.GENERATE["length_penalty"],
                         min_decoding_length=0, max_decoding_length=trained.GENERATE["max_new_tokens"],
@@ -159,30 +158,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         candidates = {name: hf(features) for name, features in hf_features().items()}
         candidates |= {name: ct2(translator) for name, translator in translators.items()}
-        for candidate in candidates.values():  # warm-up (and gemm's calibration) on the first batch
-            candidate(1)
-        outputs: dict[str, list[list[int]]] = {}
+        first: dict[str, list[list[int]]] = {}
         stable = dict.fromkeys(candidates, True)
-        wall: dict[str, list[float]] = {name: [] for name in candidates}
-        cpu: dict[str, list[float]] = {name: [] for name in candidates}
-        load = [round(os.getloadavg()[0], 2)]
-        for name in rotating_order(list(candidates), args.rounds):
+
+        def run(
+            name: str, candidates: dict[str, Callable] = candidates, first: dict = first, stable: dict = stable
+        ) -> tuple[list[list[int]], float, float]:
             start, start_cpu = time.perf_counter(), time.process_time()
-            ids = candidates[name](None)
-            wall[name].append(time.perf_counter() - start)
-            cpu[name].append(time.process_time() - start_cpu)
-            load.append(round(os.getloadavg()[0], 2))
-            stable[name] &= outputs.setdefault(name, ids) == ids
-        entry: dict[str, Any] = {"num_beams": num_beams, "load_average_1min": load, "candidates": {}}
+            ids = candidates[name]()
+            wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            stable[name] &= first.setdefault(name, ids) == ids
+            return ids, wall, cpu
+
+        rounds = alternate(run, list(candidates), args.rounds)  # the warm-up call runs gemm's calibration
+        outputs = rounds.outputs
+        entry: dict[str, Any] = {"num_beams": num_beams, "load_average": rounds.load_average, "candidates": {}}
         for name, ids in outputs.items():
+            wall, cpu = rounds.column(name, 0), rounds.column(name, 1)
             hypotheses = [trained.decode(tokenizer, row) for row in ids]
             row: dict[str, Any] = {
                 "vs_upstream": agreement(outputs["upstream"], ids),
                 "first_divergence_on_a_mask": divergences_on_masks(outputs["upstream"], ids, test),
                 **trained.quality(hypotheses, references),
-                "median_wall_seconds": statistics.median(wall[name]),
-                "median_cpu_seconds": statistics.median(cpu[name]),
-                "wall_seconds": wall[name],
+                "median_wall_seconds": statistics.median(wall),
+                "median_cpu_seconds": statistics.median(cpu),
+                "wall_seconds": wall,
                 "generated_tokens": sum(len(r) for r in ids),
                 "same_output_every_round": stable[name],
             }
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             entry["candidates"][name] = row
         results[mode] = entry
         sys.stdout.write(f"{mode}: " + "; ".join(_summary(n, r) for n, r in entry["candidates"].items()))
-        sys.stdout.write(f"; load {min(load)}..{max(load)}\n")
+        sys.stdout.write(f"; load {rounds.load_average}\n")
         sys.stdout.flush()
 
     training = json.loads((args.model_dir / "training.json").read_text())
@@ -199,9 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         held_out = trained.held_out_scores(model, test)
     env = environment("cpu")
     report = {
-        "benchmark": "trained_agreement",
-        "command": "python -m benchmarks.trained_agreement " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **result_header("trained_agreement", argv),
         "model": {
             "training_command": training["command"],
             "settings": training["settings"],
@@ -222,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out or (
         Path(__file__).resolve().parent / "results" / f"trained_agreement-{env['cpu_kind']}-{args.threads}t.json"
     )
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out, report)
     return report
 
 
