@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import fastgen  # noqa: F401 - patches transformers
-from fastgen.cli import distributed
+from fastgen.cli import distributed, heap
 from fastgen.cli.common import (
     OneLineErrorParser,
     UsageError,
@@ -221,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--device {device}: not a device ({exc})") from exc
     if kind == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: CUDA is not available here")
+    if kind == "cpu":
+        heap.keep_freed_memory()  # CPU decode steps free and refault big buffers otherwise (fastgen.cli.heap)
     world = distributed.from_environment(device)
     if world.size > 1 and device.startswith("cuda") and args.device is None:
         device = f"cuda:{world.local_rank}"

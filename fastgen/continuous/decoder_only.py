@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from fastgen.continuous.cache import SlotLayer
-from fastgen.continuous.scheduler import _as_ids, _next_seed, linear_scope
+from fastgen.continuous.scheduler import _as_ids, _next_seed, linear_features, linear_scope
 from fastgen.continuous.search import Finished, SearchState
 from fastgen.continuous.settings import Settings, cache_kwarg
 from fastgen.optimizer import registry, report
@@ -159,6 +159,7 @@ def run_decoder_only(
     next_out = 0
     stats = {} if stats is None else stats
     stats.update(steps=0, rows=0, prefills=0)
+    features = linear_features()
     report.note_ran(FEATURE, "continuous batching (decoder-only)")
     while True:
         newcomers: list[tuple[int, torch.Tensor, int | None]] = []
@@ -171,7 +172,7 @@ def run_decoder_only(
             if (ids := _joining(model, settings, item, seed, generate_kwargs, ready)) is not None:
                 newcomers.append((item[0], ids, seed))
         if len(state) or newcomers:
-            with torch.no_grad(), linear_scope(model):  # the GEMM forms generate would run under
+            with torch.no_grad(), linear_scope(model, features):  # the GEMM forms generate would run under
                 order, done = _step(model, state, cache, newcomers, stats)
                 _retire(state, cache, order, done, ready)
         elif exhausted:
