@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--continuous-batching",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="refill the batch as inputs finish, for the runs it serves (default; see the README); "
-        "--no-continuous-batching: static length-sorted batches, one generate call each",
+        default=None,
+        help="refill the batch as inputs finish, for the runs it serves (default: where it is expected to be "
+        "faster, see fastgen.cli.continuous_hf.prefers_static); --no-continuous-batching: static length-sorted "
+        "batches, one generate call each",
     )
     add_pipeline_args(parser)
     return parser
@@ -298,7 +299,9 @@ def _run(
     }
     from fastgen.cli import continuous_hf  # imports Transformers: not at module import (--help stays fast)
 
-    stream = continuous_hf.serves(model, kwargs) if args.continuous_batching else None
+    stream = None
+    if args.continuous_batching is not False:  # None: the default, chosen per run; True: asked for
+        stream = continuous_hf.serves(model, kwargs, args.batch_size, chosen=args.continuous_batching is None)
     if stream is not None and stream.do_sample:  # only sampling seeds differently (per line, not per batch)
         header["continuous_batching"] = True
 
