@@ -65,31 +65,36 @@ class ContinuousBatches:
         return out
 
 
-#: Rows per step (``batch_size x num_beams``) above which an encoder-decoder beam search runs static batches.
-#: Why: fastgen's beam loop already drops finished inputs from a static batch, so both ways compute the same
-#: rows and refilling saves only steps, i.e. a step's fixed cost (weights streamed, per-op overhead). On a
-#: CPU that cost is worth about 16-20 rows (measured, step time a + b x rows: BART d=384 and bart-base), so
-#: at 64 rows it is a fifth of a step and continuous batching measured 0.94-1.04x static batches (bart-base
-#: 0.91x at 2 threads); at 16 rows it is half, and continuous batching measured 1.11x (bart-base).
+#: Rows per step (``batch_size x num_beams``) above which an encoder-decoder beam search on more than one
+#: torch thread runs static batches (see :func:`prefers_static`).
 STATIC_BEAM_ROWS = 32
 
 
 def prefers_static(model: Any, settings: Settings, batch_size: int) -> str | None:
     """Why static batches are expected to be at least as fast for this run (None: continuous batching).
 
+    fastgen's beam loop already drops finished inputs from a static batch, so for beam search both ways
+    compute the same row-steps and refilling saves only steps, i.e. a step's fixed cost (weights streamed,
+    per-op overhead): on this project's CPU worth about 16-20 rows (step time ``a + b x rows``, BART d=384
+    and bart-base). Measured at one thread: 1.03-1.04x static batches at 64 rows (BART d=384), 1.00-1.04x
+    (bart-base), 1.11x at 16 rows (bart-base). With two threads the GEMMs run on both cores and the
+    per-step work around them on one, and at 64 rows continuous batching measured 0.91x (bart-base): so
+    above :data:`STATIC_BEAM_ROWS` rows on more than one thread, static batches. Greedy static batches keep
+    finished rows (refilling saves rows too), and decoder-only beam search was not measured: continuous.
+
     Only greedy/beam runs are ever switched: their results are the same either way. Sampling seeds per
     line under continuous batching and per batch in static batches, so its mode is never changed here.
     """
     if settings.do_sample or settings.num_beams == 1 or not model.config.is_encoder_decoder:
-        return None  # greedy static batches keep finished rows: refilling saves rows as well as steps
+        return None
     if not _beam_loop_drops_finished():
         return None  # upstream's beam loop keeps finished inputs' rows in a static batch
-    rows = batch_size * settings.num_beams
-    if rows <= STATIC_BEAM_ROWS:
+    rows, threads = batch_size * settings.num_beams, torch.get_num_threads()
+    if rows <= STATIC_BEAM_ROWS or threads == 1:
         return None
     return (
-        f"beam search over {rows} rows per step (> {STATIC_BEAM_ROWS}): fastgen's beam loop drops finished "
-        "inputs from static batches, so refilling would save only steps, which are not slower there"
+        f"beam search over {rows} rows per step (> {STATIC_BEAM_ROWS}) on {threads} threads: fastgen's beam loop "
+        "drops finished inputs from static batches, so refilling would save only steps, which are not slower there"
     )
 
 
