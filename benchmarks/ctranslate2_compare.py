@@ -1,10 +1,11 @@
-"""Upstream Transformers vs fastgen (without / with "gemm") vs CTranslate2 fp32 on CPU, one process.
+"""Upstream Transformers vs fastgen (exact, fast fp32, int8) vs CTranslate2 fp32 and int8 on CPU, one process.
 
     OMP_NUM_THREADS=1 python -m benchmarks.ctranslate2_compare --scenario bart-base [--threads 1]
         [--modes beam4-norepeat3,beam4,greedy-norepeat3,greedy] [--rounds 3] [--out FILE.json]
 
 The model is the scenario's random-weight model (benchmarks.scenarios), saved with
-``save_pretrained`` and converted by CTranslate2's own ``TransformersConverter`` (fp32); a
+``save_pretrained`` and converted by CTranslate2's own ``TransformersConverter`` (fp32; its int8
+candidate loads the same directory with ``compute_type="int8_float32"``); a
 stand-in tokenizer supplies token names ``t<id>`` for the ids, since a random model has none.
 Every candidate decodes the same ids with the same length forced (``min == max`` new tokens), so
 the work is equal; CTranslate2's Marian conversion drops the ``<pad>`` row of the vocabulary (the
@@ -36,6 +37,17 @@ import fastgen
 from benchmarks.measure import environment, rotating_order
 from benchmarks.scenarios import SCENARIOS
 from fastgen.ops import linear
+from fastgen.ops.int8_linear import cpu_flags
+from fastgen.optimizer.linear_modes import int8_linears, packed_linears
+
+#: The instruction-set extensions that decide GEMM speed, recorded with every result.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8")
+
+
+def cpu_isa() -> list[str]:
+    """Which of :data:`ISA_FLAGS` this CPU has."""
+    return [flag for flag in ISA_FLAGS if flag in cpu_flags()]
+
 
 MODES: dict[str, dict[str, Any]] = {
     "beam4-norepeat3": dict(num_beams=4, no_repeat_ngram_size=3),
@@ -46,6 +58,7 @@ MODES: dict[str, dict[str, Any]] = {
 ALL_BUT_GEMM = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES - {"gemm"})
 DEFAULT = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES)
 FAST = [*DEFAULT, "fast_gemm"]
+INT8 = [*DEFAULT, "int8"]
 
 
 class _StandInTokenizer:
@@ -121,10 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     if ctranslate2 is not None:
         workdir = args.workdir / args.scenario
         workdir.mkdir(parents=True, exist_ok=True)
-        translator = ctranslate2.Translator(
-            str(convert(model, workdir)), device="cpu", compute_type="float32", inter_threads=1,
-            intra_threads=args.threads,
-        )  # fmt: skip
+        translators = {
+            compute: ctranslate2.Translator(
+                str(convert(model, workdir)), device="cpu", compute_type=compute, inter_threads=1,
+                intra_threads=args.threads,
+            )
+            for compute in ("float32", "int8_float32")
+        }  # fmt: skip
+        translator = translators["float32"]
     names = _StandInTokenizer(model.config).names
     source = [
         [names[i] for i in row[mask.bool()].tolist()]
@@ -144,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
 
             return call
 
-        def ct2(options: dict[str, Any] = options, kwargs: dict[str, Any] = kwargs) -> Any:
-            return translator.translate_batch(
+        def ct2(options: dict[str, Any] = options, kwargs: dict[str, Any] = kwargs, compute: str = "float32") -> Any:
+            return translators[compute].translate_batch(
                 source,
                 beam_size=options["num_beams"],
                 no_repeat_ngram_size=options.get("no_repeat_ngram_size", 0),
@@ -160,9 +177,11 @@ def main(argv: list[str] | None = None) -> None:
             "fastgen_without_gemm": hf(ALL_BUT_GEMM),
             "fastgen": hf(DEFAULT),
             "fastgen_fast": hf(FAST),
+            "fastgen_int8": hf(INT8),
         }
         if translator is not None:
             candidates["ctranslate2"] = ct2
+            candidates["ctranslate2_int8"] = lambda ct2=ct2: ct2(compute="int8_float32")
         linear.forget_choices()
         outputs, warmup = {}, {}
         for name, candidate in candidates.items():
@@ -171,18 +190,24 @@ def main(argv: list[str] | None = None) -> None:
             warmup[name] = time.perf_counter() - start
         wall: dict[str, list[float]] = {name: [] for name in candidates}
         cpu: dict[str, list[float]] = {name: [] for name in candidates}
+        process_cpu: dict[str, list[float]] = {name: [] for name in candidates}
         load = [round(os.getloadavg()[0], 2)]
         for name in rotating_order(list(candidates), args.rounds):
-            start, start_cpu = time.perf_counter(), time.thread_time()
+            start, start_cpu, start_process = time.perf_counter(), time.thread_time(), time.process_time()
             outputs[name] = candidates[name]()
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.thread_time() - start_cpu)
+            process_cpu[name].append(time.process_time() - start_process)
             load.append(round(os.getloadavg()[0], 2))
         medians = {name: statistics.median(values) for name, values in wall.items()}
         entry: dict[str, Any] = {
             "generate": kwargs,
             "wall_seconds": wall,
             "thread_cpu_seconds": cpu,
+            # all threads of the process (CTranslate2 computes in its own): on a busy machine this is
+            # the fairer measure, since waiting for a core is not counted
+            "process_cpu_seconds": process_cpu,
+            "median_process_cpu_seconds": {name: statistics.median(v) for name, v in process_cpu.items()},
             "median_wall_seconds": medians,
             "warmup_seconds": warmup,
             "load_average_1min": load,
@@ -192,26 +217,34 @@ def main(argv: list[str] | None = None) -> None:
             },
             "gemm_choices": {str(k): v.form for k, v in linear.choices().items()},
         }
-        entry["fast_mode_vs_upstream"] = {
-            "token_agreement": _agreement_ids(outputs["upstream"], outputs["fastgen_fast"]),
-            "rows_identical": _rows_identical(outputs["upstream"], outputs["fastgen_fast"]),
-            **_logit_difference(model, inputs, outputs["upstream"]),
-        }
+        for name, scope in (("fast_mode", packed_linears), ("int8_mode", int8_linears)):
+            entry[f"{name}_vs_upstream"] = {
+                "token_agreement": _agreement_ids(outputs["upstream"], outputs[f"fastgen_{name[:-5]}"]),
+                "rows_identical": _rows_identical(outputs["upstream"], outputs[f"fastgen_{name[:-5]}"]),
+                **_logit_difference(model, inputs, outputs["upstream"], scope),
+            }
         if translator is not None:
             entry["fastgen_over_ctranslate2"] = medians["ctranslate2"] / medians["fastgen"]
             entry["fastgen_fast_over_ctranslate2"] = medians["ctranslate2"] / medians["fastgen_fast"]
             entry["ctranslate2_token_agreement"] = _agreement(outputs["upstream"], outputs["ctranslate2"], names)
+            entry["fastgen_int8_over_ctranslate2_int8"] = medians["ctranslate2_int8"] / medians["fastgen_int8"]
+            entry["ctranslate2_int8_token_agreement"] = _agreement(
+                outputs["upstream"], outputs["ctranslate2_int8"], names
+            )
         results[mode] = entry
         sys.stdout.write(
             f"{args.scenario} {mode} threads={args.threads}: "
             + ", ".join(f"{k} {v:.3f}s" for k, v in medians.items())
+            + "; process CPU: "
+            + ", ".join(f"{k} {v:.3f}s" for k, v in entry["median_process_cpu_seconds"].items())
             + (
                 f"; fastgen/ct2 {entry['fastgen_over_ctranslate2']:.2f}x, fast/ct2 "
-                f"{entry['fastgen_fast_over_ctranslate2']:.2f}x"
+                f"{entry['fastgen_fast_over_ctranslate2']:.2f}x, int8/ct2-int8 "
+                f"{entry['fastgen_int8_over_ctranslate2_int8']:.2f}x"
                 if translator is not None
                 else ""
             )
-            + f"; fast mode {entry['fast_mode_vs_upstream']}"
+            + f"; fast mode {entry['fast_mode_vs_upstream']}; int8 mode {entry['int8_mode_vs_upstream']}"
             + f"; identical {entry['identical_to_upstream']}; load {load[0]}..{load[-1]}\n"
         )
         sys.stdout.flush()
@@ -225,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         "threads": args.threads,
         "ctranslate2": getattr(ctranslate2, "__version__", None),
         "environment": environment("cpu"),
+        "cpu_isa": cpu_isa(),
         "modes": results,
     }
     out = args.out or Path(__file__).resolve().parent / "results" / f"ctranslate2-{args.scenario}-{args.threads}t.json"
@@ -241,14 +275,14 @@ def _rows_identical(upstream: torch.Tensor, other: torch.Tensor) -> str:
     return f"{same}/{upstream.shape[0]}"
 
 
-def _logit_difference(model: Any, inputs: dict[str, torch.Tensor], sequences: torch.Tensor) -> dict[str, float]:
-    """Max |logit difference| of the fast mode vs upstream, teacher-forced on upstream's sequences."""
-    from fastgen.optimizer.transformers.fast_gemm import packed_linears
-
+def _logit_difference(
+    model: Any, inputs: dict[str, torch.Tensor], sequences: torch.Tensor, scope: Callable[[Any], Any]
+) -> dict[str, float]:
+    """Max |logit difference| of a mode vs upstream, teacher-forced on upstream's sequences."""
     with torch.inference_mode():
         with fastgen.unpatched():
             reference = model(**inputs, decoder_input_ids=sequences).logits
-        with packed_linears(model):
+        with scope(model):
             fast = model(**inputs, decoder_input_ids=sequences).logits
     return {
         "max_abs_logit_difference": (reference - fast).abs().max().item(),
@@ -278,31 +312,46 @@ def _ratio(ctranslate2_seconds: float | None, seconds: float) -> str:
     return f"{ctranslate2_seconds / seconds:.2f}×" if ctranslate2_seconds else "–"
 
 
+def _seconds(value: float | None) -> str:
+    return f"{value:.2f} s" if value else "–"
+
+
+def _tokens(agreement: dict[str, Any] | None) -> str:
+    return f"{100 * agreement['token_agreement']:.1f}%" if agreement else "–"
+
+
 def readme_table(results_dir: Path | None = None) -> str:
-    """The README table of every ``ctranslate2-*.json`` result (``python -m benchmarks.report`` writes it)."""
+    """The table of every ``ctranslate2-*.json`` result (``python -m benchmarks.report`` writes it).
+
+    Results from before the int8 rows (no ``fastgen_int8``, no ``cpu_isa``) show "–" there.
+    """
     results_dir = results_dir or Path(__file__).resolve().parent / "results"
     lines = [
-        "| model | mode | threads | upstream | fastgen without gemm | fastgen (exact, default) | fastgen + fast_gemm "
-        "| CTranslate2 fp32 | exact / CT2 | fast / CT2 | exact identical | fast vs upstream: tokens, max logit diff "
-        "| thread CPU: upstream / without gemm / exact / fast | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | mode | threads | CPU ISA | upstream | fastgen exact (default) | fastgen fast_gemm | fastgen int8 "
+        "| CT2 fp32 | CT2 int8 | exact / CT2 fp32 | fast / CT2 fp32 | int8 / CT2 int8 | exact identical "
+        "| tokens = upstream: fast / int8 / CT2 int8 | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path in sorted(results_dir.glob("ctranslate2-*.json")):
         r = json.loads(path.read_text())
+        isa = r.get("cpu_isa")
+        isa_text = "AVX-512" if isa and "avx512f" in isa else ("AVX2" if isa else "not recorded")
+        if isa and ("avx512_vnni" in isa or "avx_vnni" in isa):
+            isa_text += " VNNI"
         for mode, e in r["modes"].items():
             m = e["median_wall_seconds"]
-            fast = e["fast_mode_vs_upstream"]
-            ct2 = m.get("ctranslate2")
+            ct2, ct2_int8 = m.get("ctranslate2"), m.get("ctranslate2_int8")
             identical = "yes" if all(e["identical_to_upstream"].values()) else "NO"
             load = e["load_average_1min"]
-            names = ("upstream", "fastgen_without_gemm", "fastgen", "fastgen_fast")
-            cpu = " / ".join(f"{statistics.median(e['thread_cpu_seconds'][n]):.2f}" for n in names)
+            ct2_int8_tokens = e.get("ctranslate2_int8_token_agreement")
             lines.append(
-                f"| {r['scenario']} | {mode} | {r['threads']} | {m['upstream']:.2f} s "
-                f"| {m['fastgen_without_gemm']:.2f} s | {m['fastgen']:.2f} s "
-                f"| {m['fastgen_fast']:.2f} s | {f'{ct2:.2f} s' if ct2 else '–'} | {_ratio(ct2, m['fastgen'])} "
-                f"| {_ratio(ct2, m['fastgen_fast'])} | {identical} | {100 * fast['token_agreement']:.1f}% "
-                f"({fast['rows_identical']} rows), {fast['max_abs_logit_difference']:.1e} of "
-                f"{fast['max_abs_logit']:.1f} | {cpu} s | {min(load):.1f}–{max(load):.1f} |"
+                f"| {r['scenario']} | {mode} | {r['threads']} | {isa_text} | {m['upstream']:.2f} s "
+                f"| {m['fastgen']:.2f} s | {m['fastgen_fast']:.2f} s | {_seconds(m.get('fastgen_int8'))} "
+                f"| {_seconds(ct2)} | {_seconds(ct2_int8)} | {_ratio(ct2, m['fastgen'])} "
+                f"| {_ratio(ct2, m['fastgen_fast'])} "
+                f"| {_ratio(ct2_int8, m['fastgen_int8']) if 'fastgen_int8' in m else '–'} | {identical} "
+                f"| {_tokens(e.get('fast_mode_vs_upstream'))} / {_tokens(e.get('int8_mode_vs_upstream'))} / "
+                f"{f'{100 * ct2_int8_tokens:.1f}%' if ct2_int8_tokens is not None else '–'} "
+                f"| {min(load):.1f}–{max(load):.1f} |"
             )
     return "\n".join(lines)

@@ -39,7 +39,9 @@ __all__ = [
 def generate_many(model, inputs, **kwargs):
     """Continuous batching over many inputs, results in input order (see :mod:`fastgen.continuous`).
 
-    Imported on first use: ``import fastgen`` must not import Transformers for fairseq-only users.
+    Feature ``continuous`` (listed by :func:`status`, selected as every feature); switched off, each input
+    runs ``generate`` alone. Imported on first use: ``import fastgen`` must not import Transformers for
+    fairseq-only users.
     """
     from fastgen.continuous import generate_many as _generate_many
 

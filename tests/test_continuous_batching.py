@@ -144,12 +144,7 @@ def test_planted_bug_is_caught(models, monkeypatch, family):
     inputs = make_inputs(12, seed=8)
     settings, _ = resolve(model, kwargs)
 
-    def stock_positions(model, positions):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    monkeypatch.setattr(model_calls, "row_positions", stock_positions)
+    monkeypatch.setattr(model_calls, "row_positions", lambda model, positions: model)  # the stock modules
     results = [r.sequences for r in run_continuous(model, inputs, settings, batch_rows=3)]
     wrong = [i for i, ids in enumerate(inputs) if not torch.equal(results[i], alone(model, ids, kwargs).sequences)]
     assert wrong, "the comparison should see wrong positions"
@@ -162,8 +157,7 @@ def test_m2m_100_positions_per_row(models):
     module = model.get_decoder().embed_positions
     ids = torch.tensor([[5], [harness.PAD], [7], [9]])
     positions = torch.tensor([0, 3, 9, 4])
-    with model_calls.row_positions(model, [positions]):
-        rows = module(ids, None, int(positions.max()))
+    rows = model_calls.row_positions(model, [positions]).get_decoder().embed_positions(ids, None, int(positions.max()))
     for row, position in enumerate(positions.tolist()):
         assert torch.equal(rows[row : row + 1], module(ids[row : row + 1], None, position)), row
 
@@ -181,29 +175,33 @@ def test_relative_bias_per_row(models, family):
         if b.layer[0].SelfAttention.has_relative_attention_bias
     ]
     assert len(modules) == (1 if family == "t5" else len(model.get_decoder().block))
-    for module in modules:
-        with model_calls.row_positions(model, [positions]):
-            bias = module.compute_bias(1, width, past_seen_tokens=width - 1)
+    private = model_calls.row_positions(model, [positions])
+    copies = [b.layer[0].SelfAttention for b in private.get_decoder().block]
+    for module, copy in zip(modules, [c for c in copies if c.has_relative_attention_bias], strict=True):
+        assert copy is not module
+        bias = copy.compute_bias(1, width, past_seen_tokens=width - 1)
         assert bias.shape == (len(positions), module.n_heads, 1, width)
         for row, position in enumerate(positions.tolist()):
             alone_bias = module.compute_bias(1, position + 1, past_seen_tokens=position)
             assert torch.equal(bias[row : row + 1, :, :, : position + 1], alone_bias), row
-    assert all("compute_bias" not in module.__dict__ for module in modules), "the stock method is back"
+    assert all("compute_bias" not in module.__dict__ for module in modules), "the user's modules are untouched"
 
 
 @requires_feature("gemm")
 @requires_feature("fast_gemm")
 def test_generate_s_gemm_scopes_run_in_continuous_batching(models):
-    """``gemm`` and the opt-in ``fast_gemm`` hook ``generate``, which continuous batching does not call:
-    the scheduler enters their scopes itself. gemm keeps the tokens (its form gives F.linear's bits)."""
+    """``gemm`` and the opt-in ``fast_gemm`` and ``int8`` hook ``generate``, which continuous batching does not
+    call: the scheduler enters their scopes itself. gemm keeps the tokens (its form gives F.linear's bits)."""
     model, inputs, kwargs = models["bart"], make_inputs(6), dict(num_beams=2, max_new_tokens=12)
     packs = fast_linear.unavailable() is None  # else fast_gemm falls back to upstream's linears
     runs = {}
-    for features in (["dedup"], ["dedup", "gemm"], ["dedup", "fast_gemm"]):
+    base = ["continuous", "dedup"]
+    for features in (base, [*base, "gemm"], [*base, "fast_gemm"], [*base, "int8"]):
         with fastgen.patched(features), fastgen.report() as report:
             runs[features[-1]] = list(generate_many(model, inputs, batch_rows=4, **kwargs))
         assert ("gemm" in report.ran) == ("gemm" in features), (features, str(report))
         assert ("fast_gemm" in report.ran) == ("fast_gemm" in features and packs), (features, str(report))
+        assert ("int8" in report.ran) == ("int8" in features), (features, str(report))
     assert all(torch.equal(a, b) for a, b in zip(runs["dedup"], runs["gemm"], strict=True))
     assert all("forward" not in module.__dict__ for module in model.modules()), "every module's own forward is back"
 
@@ -260,7 +258,7 @@ def test_unsupported_arguments_fall_back_with_one_warning(models, caplog, kwargs
     assert len(results) == len(inputs) and all(r.dim() == 2 for r in results)
 
 
-def test_unsupported_family_falls_back_to_static_batches():
+def test_unsupported_family_falls_back_to_generate_alone():
     """An encoder-decoder family without an adapter (BlenderbotSmall: BART-like, but not proven here)."""
     config = transformers.BlenderbotSmallConfig(**harness.HF_FAMILIES["bart"][2])
     torch.manual_seed(0)
@@ -271,13 +269,8 @@ def test_unsupported_family_falls_back_to_static_batches():
     with fastgen.report() as rep:
         results = list(generate_many(model, inputs, batch_rows=4, **kwargs))
     assert any(f == "continuous" and "blenderbot-small" in why for f, why in rep.fell_back)
-    batch = torch.full((2, max(len(i) for i in inputs[:2])), harness.PAD)
-    mask = torch.zeros_like(batch)
-    for row, ids in enumerate(inputs[:2]):
-        batch[row, : len(ids)], mask[row, : len(ids)] = ids, 1
-    with torch.inference_mode():
-        expected = model.generate(input_ids=batch, attention_mask=mask, **kwargs)
-    assert torch.equal(results[0], expected[:1]) and torch.equal(results[1], expected[1:2])
+    for ids, result in zip(inputs, results, strict=True):  # each input alone (issue 24: was a padded batch's rows)
+        assert torch.equal(result, alone(model, ids, kwargs).sequences)
 
 
 def test_bad_input_is_a_clear_error(models):

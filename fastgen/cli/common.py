@@ -16,6 +16,12 @@ class UsageError(ValueError):
     """A bad argument or path, found before anything is written: one line, exit status 2."""
 
 
+def rejected(kwargs: dict, exc: Exception) -> UsageError:
+    """Generation arguments that ``generate`` refused (or continuous batching, which checks them as it does):
+    one line, whatever line breaks upstream's message has."""
+    return UsageError(f"the generation arguments {kwargs} were rejected: {' '.join(str(exc).split())}")
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line on stderr (no usage block), exit status 2."""
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from fastgen.cli.common import rejected
 from fastgen.cli.hf_inputs import Batch, InputLine
 from fastgen.continuous import generate_many
 from fastgen.continuous.settings import Settings, resolve
@@ -50,13 +51,20 @@ class ContinuousBatches:
         self._strip_prompt = not model.config.is_encoder_decoder
         feed = (lines[i].ids for batch in batches for i in batch.indices)
         seeds = None if seed is None else (seed + i for batch in batches for i in batch.indices)
-        self._results = generate_many(model, feed, batch_rows=rows, seed=seeds, **kwargs)
+        self._kwargs = kwargs
+        try:
+            self._results = generate_many(model, feed, batch_rows=rows, seed=seeds, **kwargs)
+        except (ValueError, TypeError) as exc:
+            raise rejected(kwargs, exc) from exc
 
     def next_batch(self, batch: Batch, pad: int) -> torch.Tensor | None:
         """The next batch of the plan (batches must be asked for in the order given): ``(B, L)`` tokens."""
         if not batch.indices:
             return None
-        rows = [next(self._results)[0] for _ in batch.indices]
+        try:  # a value generate rejects (temperature=0, ...) is found when the first step runs, as in generate
+            rows = [next(self._results)[0] for _ in batch.indices]
+        except (ValueError, TypeError) as exc:
+            raise rejected(self._kwargs, exc) from exc
         if self._strip_prompt:
             rows = [row[len(self._lines[i].ids) :] for row, i in zip(rows, batch.indices, strict=True)]
         out = torch.full((len(rows), max(len(r) for r in rows)), pad, dtype=torch.long, device=rows[0].device)
@@ -108,7 +116,10 @@ def _beam_loop_drops_finished() -> bool:
 def serves(model: Any, kwargs: dict, batch_size: int = 1, chosen: bool = True) -> Settings | None:
     """The run's settings when continuous batching serves it and (``chosen``: the CLI's default, not asked for)
     is expected to be faster, else None (logged: static batches, and why)."""
-    settings, reason = resolve(model, kwargs)
+    try:
+        settings, reason = resolve(model, kwargs)
+    except (ValueError, TypeError) as exc:  # as generate validates its config (early_stopping='maybe', ...)
+        raise rejected(kwargs, exc) from exc
     if reason is not None:
         logger.info("static batches: continuous batching does not serve this run (%s)", reason)
         return None

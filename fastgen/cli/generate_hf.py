@@ -34,6 +34,7 @@ from fastgen.cli.common import (
     fail,
     non_negative_int,
     positive_int,
+    rejected,
     setup_logging,
 )
 from fastgen.cli.hf_inputs import Batch, InputLine, check_lengths, plan, read_lines
@@ -129,6 +130,12 @@ def generate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--gen {name}={value!r}: must be a positive integer")
     if kwargs.get("num_return_sequences", 1) != 1:
         raise UsageError("num_return_sequences must be 1 (one output line per input line)")
+    from fastgen.continuous.arguments import check_generate_kwargs  # imports Transformers (--help stays fast)
+
+    try:  # what generate would misread or reject late (length_penalty=abc, attention_mask=...), on both paths
+        check_generate_kwargs(kwargs, return_scores=False)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--gen: {exc}") from exc
     return kwargs
 
 
@@ -272,7 +279,13 @@ def _run(
     encoded = tokenizer([line.text for line in valid], add_special_tokens=True)["input_ids"] if valid else []
     for line, ids in zip(valid, encoded, strict=True):
         line.ids = ids
-    limit = args.max_input_tokens or model_input_limit(model, tokenizer, kwargs)
+    limit = model_input_limit(model, tokenizer, kwargs)
+    if args.max_input_tokens and limit and args.max_input_tokens > limit:  # longer lines crash in the model
+        raise UsageError(
+            f"--max-input-tokens {args.max_input_tokens}: the model takes at most {limit} input tokens "
+            f"(its positions{', less the new tokens' if causal else ''}); give {limit} or less"
+        )
+    limit = args.max_input_tokens or limit
     if limit:
         check_lengths(lines, limit)
     invalid = [line for line in lines if line.text is None]
@@ -379,7 +392,7 @@ def _generate(model: Any, enc: dict[str, Any], kwargs: dict[str, Any]) -> Any:
     try:
         return model.generate(**enc, **kwargs)
     except (ValueError, TypeError) as exc:
-        raise UsageError(f"model.generate() rejected the generation arguments {kwargs}: {exc}") from exc
+        raise rejected(kwargs, exc) from exc
 
 
 def _summary(

@@ -161,6 +161,7 @@ def run_decoder_only(
     stats.update(steps=0, rows=0, prefills=0)
     features = linear_features()
     report.note_ran(FEATURE, "continuous batching (decoder-only)")
+    checked = False  # the weights' int8/packed copies are checked on the first step only
     while True:
         newcomers: list[tuple[int, torch.Tensor, int | None]] = []
         while not exhausted and len(state) + len(newcomers) < slots:
@@ -172,7 +173,8 @@ def run_decoder_only(
             if (ids := _joining(model, settings, item, seed, generate_kwargs, ready)) is not None:
                 newcomers.append((item[0], ids, seed))
         if len(state) or newcomers:
-            with torch.no_grad(), linear_scope(model, features):  # the GEMM forms generate would run under
+            with torch.no_grad(), linear_scope(model, not checked, features):  # generate's GEMM forms
+                checked = True
                 order, done = _step(model, state, cache, newcomers, stats)
                 _retire(state, cache, order, done, ready)
         elif exhausted:

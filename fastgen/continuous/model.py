@@ -11,13 +11,12 @@ forward, with:
 - a 2-D decoder mask that hides the slots past each row's length, and the encoder mask that hides the
   cross K/V padding;
 - the family's hooks (:mod:`fastgen.continuous.families`) that give every row its own position (the
-  stock decoder derives one position, the cache length, for all rows).
+  stock decoder derives one position, the cache length, for all rows), installed on a private copy of
+  the model for the call (:class:`Decoder`), so no other call or thread sees them.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,18 +64,33 @@ def project_cross(model: Any, states: torch.Tensor, rows: int) -> list[tuple[tor
     return out
 
 
-@contextlib.contextmanager
-def row_positions(model: Any, positions: list[torch.Tensor]) -> Iterator[None]:
-    """While inside, every decoder row is at its own position ``positions[0][row]`` (the family's hooks).
+def row_positions(model: Any, positions: list[torch.Tensor]) -> torch.nn.Module:
+    """A private copy of ``model`` (parameters shared) whose decoder puts every row at its own position
+    ``positions[0][row]`` (the family's hooks); ``positions`` is a one-element list refilled before each forward."""
+    return adapter(model).row_positions(model, positions)
 
-    ``positions`` is a one-element list the caller refills before each forward.
-    """
-    handles = adapter(model).row_positions(model, positions)
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+
+class Decoder:
+    """The decoder steps of one ``generate_many`` call, on a private copy of the model made once per call.
+
+    The position hooks live on the copy only: thread-safe and re-entrant without any state read inside
+    the forward (the user's modules are never changed, not even between two steps)."""
+
+    def __init__(self, model: Any) -> None:
+        self._positions = [torch.zeros(0, dtype=torch.long)]
+        self.model = row_positions(model, self._positions)
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        self_mask: torch.Tensor,
+        cross_mask: torch.Tensor,
+        cache: SlotCache,
+    ) -> torch.Tensor:
+        """:func:`decoder_step` with every row at its own ``positions[row]``."""
+        self._positions[0] = positions
+        return decoder_step(self.model, tokens, self_mask, cross_mask, cache)
 
 
 def decoder_step(

@@ -26,7 +26,7 @@ from fastgen.continuous.cache import SlotCache
 from fastgen.continuous.search import Finished, SearchState
 from fastgen.continuous.settings import Settings
 from fastgen.optimizer import registry, report
-from fastgen.optimizer.fast_gemm_scope import packed_linears
+from fastgen.optimizer.linear_modes import int8_linears, packed_linears
 from fastgen.optimizer.transformers.gemm import exact_output_projection
 
 FEATURE = "continuous"
@@ -46,21 +46,27 @@ def _feature_applied(feature: str) -> bool:
     return registry.active() and any(row.feature == feature and row.state == "applied" for row in registry.status())
 
 
-def linear_features() -> tuple[bool, bool]:
-    """Whether ``fast_gemm`` and ``gemm`` are applied: read once per run (the registry's table is not free)."""
-    return _feature_applied("fast_gemm"), _feature_applied("gemm")
+def linear_features() -> tuple[bool, bool, bool]:
+    """Whether ``int8``, ``fast_gemm`` and ``gemm`` are applied: read once per run (the registry's table is
+    not free, and the scope is entered every step)."""
+    return _feature_applied("int8"), _feature_applied("fast_gemm"), _feature_applied("gemm")
 
 
 @contextlib.contextmanager
-def linear_scope(model: Any, features: tuple[bool, bool] | None = None) -> Iterator[None]:
+def linear_scope(
+    model: Any, check_weights: bool = True, features: tuple[bool, bool, bool] | None = None
+) -> Iterator[None]:
     """The GEMM forms ``generate`` runs under with fastgen on: ``gemm`` (exact output projection) and,
-    when the user opted in, ``fast_gemm`` (packed linears). Those features hook ``generate``, which
-    continuous batching does not call, so it enters their scopes itself, per step (``features``: from
-    :func:`linear_features`, read now when None)."""
-    fast, exact = linear_features() if features is None else features
+    when the user opted in, ``int8`` or ``fast_gemm`` (approximate linears). Those features hook
+    ``generate``, which continuous batching does not call, so it enters their scopes itself, per step;
+    ``check_weights`` (the weights' content against their int8/packed copies) on its first step only.
+    ``features``: from :func:`linear_features` (read now when None)."""
+    int8, fast, exact = linear_features() if features is None else features
     with contextlib.ExitStack() as stack:
+        if int8:
+            stack.enter_context(int8_linears(model, check_weights))
         if fast:
-            stack.enter_context(packed_linears(model))
+            stack.enter_context(packed_linears(model, check_weights))
         if exact:
             stack.enter_context(exact_output_projection(model))
         yield
@@ -88,6 +94,7 @@ def run_continuous(
     cross_rows = 1 if share or beams == 1 else beams  # cross K/V rows per input
     state = SearchState(settings, device)
     cache = SlotCache(model_calls.decoder_layers(model))
+    decoder = model_calls.Decoder(model)  # per-row positions on a private copy of the model (this call only)
     encoder_lengths: list[int] = []  # per running input
     masks = _CrossMask(cross_rows)
     ahead = _Encoded()  # inputs encoded before they join (one encoder call per ``slots`` inputs)
@@ -100,12 +107,14 @@ def run_continuous(
     stats.update(steps=0, rows=0)
     report.note_ran(FEATURE, "continuous batching" + (" with shared cross-attention K/V" if cross_rows == 1 else ""))
     # Nothing stays switched on while the generator is suspended (the caller may run the model between
-    # two results): no_grad and the position hook are entered per step. no_grad, not inference_mode:
-    # results are ordinary tensors, as generate returns them.
+    # two results): no_grad is entered per step; the position hooks live on the call's private copy.
+    # no_grad, not inference_mode: results are ordinary tensors, as generate returns them.
+    checked = False  # the weights' int8/packed copies are checked on the first step only
     while True:
         free = slots - len(state)
         while free > 0 and (len(ahead) or ahead.more):
-            with torch.no_grad(), linear_scope(model, features):
+            with torch.no_grad(), linear_scope(model, not checked, features):
+                checked = True
                 if not len(ahead):
                     ahead.encode_next(model, queue, slots, cross_rows, device, seed_queue)
                     continue
@@ -117,8 +126,9 @@ def run_continuous(
                 free -= len(taken.indices)
         if not len(state):
             break
-        with torch.no_grad(), linear_scope(model, features):
-            order, done = _step(model, state, cache, encoder_lengths, masks, stats)
+        with torch.no_grad(), linear_scope(model, not checked, features):
+            checked = True
+            order, done = _step(decoder, state, cache, encoder_lengths, masks, stats)
             if not any(done):
                 if order is not None:
                     cache.reorder(order)
@@ -203,7 +213,12 @@ class _Encoded:
 
 
 def _step(
-    model: Any, state: SearchState, cache: SlotCache, encoder_lengths: list[int], masks: _CrossMask, stats: dict
+    decoder: model_calls.Decoder,
+    state: SearchState,
+    cache: SlotCache,
+    encoder_lengths: list[int],
+    masks: _CrossMask,
+    stats: dict,
 ) -> tuple[torch.Tensor | None, list[bool]]:
     """One decoder step of every running row and the search step after it: the cache rows' new order
     (beam search; applied by the caller, together with retirements: one copy) and which inputs are done."""
@@ -214,8 +229,7 @@ def _step(
     cache.set_positions(positions, width)
     self_mask = (torch.arange(width, device=device) < lengths[:, None]).long()
     cross_mask = masks.get(encoder_lengths, cache.cross_width, device)
-    with model_calls.row_positions(model, [positions]):
-        logits = model_calls.decoder_step(model, state.last_tokens(), self_mask, cross_mask, cache)
+    logits = decoder.step(state.last_tokens(), positions, self_mask, cross_mask, cache)
     stats["steps"] += 1
     stats["rows"] += logits.shape[0]
     return state.step(logits)

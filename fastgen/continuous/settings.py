@@ -10,13 +10,14 @@ warpers (typical, epsilon, eta) fall back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
-from fastgen.continuous.families import ADAPTERS
+from fastgen.continuous.families import ADAPTERS, path_problem
 from fastgen.optimizer.transformers.contract import CACHE
 
 #: the ``config.model_type`` s served: those with an adapter (cross K/V projection, per-row positions)
@@ -73,6 +74,24 @@ def _is_default(key: str, value: Any, default: Any) -> bool:
     if value == default or (value in (None, False) and default in (None, False)):
         return True
     return key in _NEUTRAL and value == _NEUTRAL[key]
+
+
+def switched_on() -> bool:
+    """Whether ``generate_many`` runs continuous batching: not as defined here. The "continuous" patch
+    (:mod:`fastgen.optimizer.transformers.patches`) replaces this function while the feature is applied, so
+    ``fastgen.enable(features=[...])``, ``FASTGEN_FEATURES``, ``disable()`` and ``unpatched()`` (this thread
+    only) switch continuous batching as they switch every other feature, and ``status()`` lists it. Read it
+    through the module (``settings.switched_on()``), where the patch installs itself."""
+    return False
+
+
+def make_switched_on(original: Callable[[], bool]) -> Callable[[], bool]:
+    """The "continuous" patch's replacement of :func:`switched_on`."""
+
+    def switched_on() -> bool:
+        return True
+
+    return switched_on
 
 
 def cache_kwarg(model: Any) -> str:
@@ -142,6 +161,8 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | None]:
     """The settings of ``model.generate(**kwargs)`` for one input, or the reason this scheduler cannot serve it."""
+    if not switched_on():
+        return None, "feature 'continuous' is switched off (fastgen.enable, FASTGEN_FEATURES or unpatched())"
     config = model.config
     decoder_only = not getattr(config, "is_encoder_decoder", False)
     families = DECODER_ONLY_FAMILIES if decoder_only else FAMILIES
@@ -151,6 +172,9 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
         return None, f"attention implementation {getattr(config, '_attn_implementation', None)!r}"
     if model.training:
         return None, "the model is in training mode"
+    problem = _module_problem(model, decoder_only)
+    if problem is not None:
+        return None, problem
     kwargs = dict(kwargs)
     given_config = kwargs.get("generation_config")
     # private (listed in the contract's inventory): model config < kwargs, global defaults, as generate merges them
@@ -187,9 +211,10 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
         start = gen.decoder_start_token_id if gen.decoder_start_token_id is not None else config.decoder_start_token_id
         if start is None:
             return None, "no decoder_start_token_id"
-        max_length = gen.max_new_tokens + 1 if gen.max_new_tokens is not None else gen.max_length
         lengths = dict(
-            max_length=int(max_length), min_length=int(gen.min_length or 0), decoder_start_token_id=int(start)
+            max_length=_encoder_decoder_max_length(model, kwargs, given_config, gen),
+            min_length=int(gen.min_length or 0),
+            decoder_start_token_id=int(start),
         )
     eos = _ids(gen.eos_token_id)
     pad = gen.pad_token_id
@@ -221,6 +246,21 @@ def resolve(model: Any, kwargs: dict[str, Any]) -> tuple[Settings | None, str | 
     return settings, None
 
 
+def _module_problem(model: Any, decoder_only: bool) -> str | None:
+    """A compiled module (``model.compile()``, ``model.forward = torch.compile(model.forward)``, a compiled layer):
+    the decoder step would run under compilation, where fastgen's attention steps aside for upstream's
+    layout (one cross K/V row per input then meets every beam's query) and each new row count recompiles,
+    so such a model runs ``generate``. Encoder-decoder models also need the modules their position hooks
+    replace to run their class's forward (:func:`~fastgen.continuous.families.path_problem`)."""
+    for name, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if getattr(module, "_compiled_call_impl", None) is not None or hasattr(forward, "_torchdynamo_orig_callable"):
+            return f"{'module ' + name if name else 'the model'} is compiled (torch.compile)"
+    if decoder_only:
+        return None
+    return path_problem(model, ADAPTERS[model.config.model_type].hooked)
+
+
 def _active_unsupported_warper(gen: GenerationConfig) -> str | None:
     """A sampling warper upstream would add (its own conditions) that the sampling step does not apply."""
     if gen.typical_p is not None and gen.typical_p < 1.0:
@@ -232,6 +272,31 @@ def _active_unsupported_warper(gen: GenerationConfig) -> str | None:
     return None
 
 
+def _has_default_max_length(model: Any, kwargs: dict[str, Any], given: GenerationConfig | None) -> bool:
+    """``generate``'s ``has_default_max_length``: no ``max_length`` in the call, its config or the model's."""
+    return (
+        kwargs.get("max_length") is None
+        and (given is None or given.max_length is None)
+        and model.generation_config.max_length is None
+    )
+
+
+def _encoder_decoder_max_length(
+    model: Any, kwargs: dict[str, Any], given: GenerationConfig | None, gen: GenerationConfig
+) -> int:
+    """The decoder length limit (start token included) as ``generate``'s ``_prepare_generated_length`` sets it
+    for an encoder-decoder model, whose ``input_ids`` are the one decoder start token: ``max_new_tokens + 1``;
+    else an explicit ``max_length`` as given; else the default (20) counts *new* tokens, so ``20 + 1``, capped
+    at ``max_position_embeddings`` where the config has one."""
+    if gen.max_new_tokens is not None:
+        return int(gen.max_new_tokens) + 1
+    if not _has_default_max_length(model, kwargs, given):
+        return int(gen.max_length)
+    limit = int(gen.max_length) + 1
+    cap = getattr(model.config, "max_position_embeddings", None)
+    return limit if cap is None else min(limit, int(cap))
+
+
 def _decoder_only_lengths(
     model: Any, kwargs: dict[str, Any], given: GenerationConfig | None, gen: GenerationConfig
 ) -> dict[str, Any]:
@@ -239,11 +304,7 @@ def _decoder_only_lengths(
     ``_prepare_generated_length``): ``max_new_tokens`` wins; without it and without an explicit ``max_length``
     the default counts new tokens, capped at ``max_position_embeddings``; ``min_new_tokens`` replaces
     ``min_length``."""
-    default_max = (
-        kwargs.get("max_length") is None
-        and (given is None or given.max_length is None)
-        and model.generation_config.max_length is None
-    )
+    default_max = _has_default_max_length(model, kwargs, given)
     cap = None
     max_new = gen.max_new_tokens
     if max_new is None and default_max:

@@ -8,9 +8,17 @@ few ulps (a different accumulation order), so greedy and beam outputs can diverg
 where two candidates are nearly tied. That is why this is the opt-in ``fast_gemm`` feature, and
 why the exact ``gemm`` feature never uses it.
 
-Memory: the packed weight is a second copy of every weight it serves (about the model's linear
-parameters again), kept per module for the process while the module lives and re-packed when the
-weight changes (its version counter or storage). :func:`packed_bytes` reports the total.
+Which is faster depends on the CPU *and the shape* (on an AVX2-only EPYC oneDNN lost to MKL for
+16 x 3072 -> 768 and for the encoder's 1024-row products, while winning for the vocabulary projection),
+so nothing is assumed: each key (weight shape, row count, threads) runs packed for its first
+:data:`CALIBRATE_AFTER` - 1 calls, then is timed once against the exact mode's form of the product
+(:func:`fastgen.ops.linear.exact_linear`: ``F.linear``'s bits, in its fastest calibrated form) on the real
+input (alternating rounds) and keeps the faster (:func:`choices` shows the evidence). The mode is thus
+never slower than the exact mode by more than the timing noise, on any CPU.
+
+Memory: the packed weight is a second copy of every weight it serves, kept per module for the process
+while the module lives and re-packed when the weight changes in any way, ``.data`` writes included
+(:mod:`fastgen.ops.weight_cache`). :func:`packed_bytes` reports the total.
 
 The op used is ``torch.ops.mkldnn._linear_pointwise`` with a weight from
 ``torch.ops.mkldnn._reorder_linear_weight`` (the pair Inductor's freezing emits); when either is
@@ -20,14 +28,45 @@ missing or oneDNN is unavailable, :func:`unavailable` says why and callers run `
 from __future__ import annotations
 
 import threading
-import weakref
+import time
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from fastgen.ops.linear import exact_linear
+from fastgen.ops.weight_cache import DerivedWeights
+
+#: Calls of a key that run packed before the key is timed against the exact form (the timing costs
+#: about this many calls; a row count seen only a few times never pays for it).
+CALIBRATE_AFTER = 8
+#: Timing rounds (each runs the exact and the packed form once, alternating).
+ROUNDS = 3
+#: Keys larger than this many multiply-adds are not timed (packed is kept): a long prefill.
+MAX_CALIBRATION_MACS = 4e9
+
+Key = tuple[int, int, int, int]
 _lock = threading.Lock()
-#: module -> (weight version, weight data pointer, packed weight)
-_packed: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, int, torch.Tensor]] = weakref.WeakKeyDictionary()
+_choices: dict[Key, dict[str, float]] = {}  # key -> median ms per form ("packed", "linear")
+_seen: dict[Key, int] = {}
+
+
+def is_conv1d(module: torch.nn.Module) -> bool:
+    """Exactly Transformers' ``Conv1D`` (GPT-2's linears, weight ``(in, out)``), named without importing it."""
+    kind = type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__ == "transformers.pytorch_utils"
+
+
+def out_in_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The module's weight as ``(out, in)`` (Conv1D stores ``(in, out)``)."""
+    return module.weight.detach().t().contiguous() if is_conv1d(module) else module.weight.detach()
+
+
+def _pack(module: torch.nn.Module) -> tuple[torch.Tensor, int]:
+    packed = torch.ops.mkldnn._reorder_linear_weight(out_in_weight(module))
+    return packed, packed.numel() * packed.element_size()
+
+
+_packed = DerivedWeights(_pack)
 
 
 def unavailable() -> str | None:
@@ -41,7 +80,7 @@ def unavailable() -> str | None:
     return None
 
 
-def module_problem(module: torch.nn.Linear) -> str | None:
+def module_problem(module: torch.nn.Module) -> str | None:
     """Why ``module`` cannot run packed (None: it can)."""
     weight, bias = module.weight, module.bias
     if weight.device.type != "cpu":
@@ -49,20 +88,6 @@ def module_problem(module: torch.nn.Linear) -> str | None:
     if weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
         return f"weights in {weight.dtype} (the packed path is float32)"
     return None
-
-
-def _packed_weight(module: torch.nn.Module, transposed: bool = False) -> torch.Tensor:
-    """``module.weight`` (``(out, in)``; ``(in, out)`` when ``transposed``) packed for oneDNN, cached."""
-    weight = module.weight
-    stamp = (weight._version, weight.data_ptr())
-    entry = _packed.get(module)
-    if entry is None or entry[:2] != stamp:
-        with _lock, torch.no_grad():
-            source = weight.detach().t().contiguous() if transposed else weight.detach()
-            packed = torch.ops.mkldnn._reorder_linear_weight(source)
-            _packed[module] = (*stamp, packed)
-            return packed
-    return entry[2]
 
 
 def runs_packed(weight: torch.Tensor, x: torch.Tensor) -> bool:
@@ -76,40 +101,73 @@ def runs_packed(weight: torch.Tensor, x: torch.Tensor) -> bool:
     )
 
 
-def packed_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` through oneDNN with the module's packed weight; ``F.linear`` where it cannot run.
+def _exact(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Upstream's bits in the exact mode's fastest form (``exact_linear``; Conv1D: its own forward)."""
+    return type(module).forward(module, x) if is_conv1d(module) else exact_linear(x, module.weight, module.bias)
 
-    Falls back to ``F.linear`` under ``torch.compile`` tracing, with autograd, and for non-fp32 or
-    non-CPU inputs, so the result is then upstream's exactly.
+
+def _run_packed(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, _packed.get(module), module.bias, "none", [], "")
+
+
+def _time_into(run: Callable[[], torch.Tensor], times: list[float]) -> None:
+    start = time.perf_counter()
+    run()
+    times.append((time.perf_counter() - start) * 1e3)
+
+
+def _calibrate(key: Key, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Time packed against upstream's op on ``x``; remember the medians; return the packed result."""
+    result = _run_packed(module, x)
+    times: dict[str, list[float]] = {"packed": [], "linear": []}
+    for _ in range(ROUNDS):
+        _time_into(lambda: _run_packed(module, x), times["packed"])
+        _time_into(lambda: _exact(module, x), times["linear"])
+    _choices[key] = {form: sorted(values)[len(values) // 2] for form, values in times.items()}
+    return result
+
+
+def packed_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` on oneDNN with the module's packed weight where that is the faster form here.
+
+    Runs upstream's bits (``exact_linear``, or Conv1D's own ``forward``) under ``torch.compile`` tracing, with
+    autograd, for non-fp32 or non-CPU inputs, and for keys whose timing found it faster.
     """
     if not runs_packed(module.weight, x):
-        return F.linear(x, module.weight, module.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(module), module.bias, "none", [], "")
+        return _exact(module, x)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    key = (*module.weight.shape, rows, torch.get_num_threads())
+    choice = _choices.get(key)
+    if choice is None:
+        seen = _seen[key] = _seen.get(key, 0) + 1
+        if seen < CALIBRATE_AFTER or rows * module.weight.numel() > MAX_CALIBRATION_MACS:
+            return _run_packed(module, x)
+        with _lock:
+            if key not in _choices:
+                return _calibrate(key, module, x)
+            choice = _choices[key]
+    return _run_packed(module, x) if choice["packed"] <= choice["linear"] else _exact(module, x)
 
 
-def packed_conv1d(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Transformers' ``Conv1D`` (GPT-2: ``x @ weight + bias``, weight ``(in, out)``) through oneDNN.
-
-    Where the packed path cannot run, the module class's own ``forward`` (upstream's ``addmm``).
-    """
-    if not runs_packed(module.weight, x):
-        return type(module).forward(module, x)
-    packed = _packed_weight(module, transposed=True)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
-
-
-def prepack(module: torch.nn.Module, transposed: bool = False) -> int:
-    """Pack ``module``'s weight now (outside the timed decode loop); returns the packed copy's bytes."""
-    packed = _packed_weight(module, transposed)
-    return packed.numel() * packed.element_size()
+def prepack(module: torch.nn.Module) -> int:
+    """Pack ``module``'s weight now, checking its content (once per call); returns the copy's bytes."""
+    return _packed.refresh(module)
 
 
 def packed_bytes() -> int:
     """Bytes held by every packed weight alive in this process (the fast mode's extra memory)."""
-    return sum(entry[2].numel() * entry[2].element_size() for entry in list(_packed.values()))
+    return _packed.total_bytes()
 
 
-def forget_packed() -> None:
-    """Drop every packed weight (tests; to give the memory back without dropping the modules)."""
-    with _lock:
-        _packed.clear()
+def choices() -> dict[Key, dict[str, float]]:
+    """The timed keys: median milliseconds of the packed and the exact form (key "linear"; reports, tests)."""
+    return dict(_choices)
+
+
+def forget_packed(keep_choices: bool = False) -> None:
+    """Drop every packed weight and, unless ``keep_choices``, every timing (tests; to give the memory back)."""
+    _packed.clear()
+    if not keep_choices:
+        with _lock:
+            _choices.clear()
+            _seen.clear()

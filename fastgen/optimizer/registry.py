@@ -127,7 +127,8 @@ def declared_patches() -> list[Patch]:
 #: features applied only when named (``enable([...])`` / ``FASTGEN_FEATURES``), never by default:
 #: unfinished work that must not change what a plain ``import fastgen`` runs.
 #: fast_gemm: oneDNN packed linears, faster on CPU but not bit-identical to upstream (issue 18).
-OPT_IN_FEATURES: frozenset[str] = frozenset({"fast_gemm"})  # beam was, until its loop matched upstream's suites
+#: int8: int8 linears (issue 27), approximate by design.
+OPT_IN_FEATURES: frozenset[str] = frozenset({"fast_gemm", "int8"})  # beam was, until its loop matched upstream's suites
 
 
 def known_features() -> list[str]:

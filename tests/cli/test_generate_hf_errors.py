@@ -11,6 +11,7 @@ import fastgen
 from fastgen.cli import generate_hf, journal
 from fastgen.cli.generate_hf import main
 from fastgen.cli.hf_inputs import read_lines
+from scripts import make_tiny_model
 from tests.cli.tiny_files import bart_and_inputs
 from tests.harness import tiny_hf_model, tiny_inputs
 
@@ -178,3 +179,58 @@ def test_zero_beams_through_the_api_fail_as_upstream_does(family):
             model.generate(**inputs, num_beams=0, max_new_tokens=4)
         errors.append((type(caught.value), str(caught.value)))
     assert errors[0] == errors[1]
+
+
+#: --gen values that generate rejects (issue 24): on the continuous path (the default) they printed a traceback
+REJECTED_GEN = {
+    "temperature=0": (["--gen", "do_sample=true", "--gen", "temperature=0"], "temperature"),
+    "top_k=-3": (["--gen", "do_sample=true", "--gen", "top_k=-3"], "top_k"),
+    "min_p=5": (["--gen", "do_sample=true", "--gen", "min_p=5"], "min_p"),
+    "length_penalty=abc": (["--num-beams", "2", "--gen", "length_penalty=abc"], "length_penalty"),
+    "early_stopping=maybe": (["--num-beams", "2", "--gen", "early_stopping=maybe"], "early_stopping"),
+    "gpt2 max_length=2": (["--gen", "max_length=2"], "max_length"),
+    "attention_mask": (["--gen", "attention_mask=[1]"], "attention_mask"),
+}
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model.make(tmp_path_factory.mktemp("hf-errors-gpt2") / "gpt2", "gpt2")
+
+
+@pytest.mark.parametrize("mode", ["--continuous-batching", "--no-continuous-batching"])
+@pytest.mark.parametrize("case", list(REJECTED_GEN))
+def test_generate_arguments_generate_rejects_are_one_line_on_both_paths(setup, gpt2, tmp_path, capsys, case, mode):
+    out = tmp_path / "out.txt"
+    out.write_text(PRECIOUS)
+    extra, name = REJECTED_GEN[case]
+    model = gpt2 if case.startswith("gpt2") else setup["bart"]
+    capsys.readouterr()
+    args = [str(model), "--input", str(setup["inputs"]), "--output", str(out), *extra, mode]
+    try:  # no --max-new-tokens here: it would override max_length
+        code = main([*args, "--no-progress-bar", "--postprocess-workers", "0"])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and name in err
+    assert len(error_lines(err)) == 1, err
+    assert files(tmp_path) == {"out.txt": PRECIOUS.encode()}, "nothing may be written, the old output kept"
+
+
+@pytest.mark.parametrize("mode", ["--continuous-batching", "--no-continuous-batching"])
+def test_max_input_tokens_above_the_models_positions_is_one_line(setup, tmp_path, capsys, mode):
+    """A 64-position model, ``--max-input-tokens 500`` and a 300-token line: was an IndexError traceback."""
+    long_input = tmp_path / "long.txt"
+    long_input.write_text(setup["inputs"].read_text() + " ".join(["red cat"] * 150) + "\n")
+    out = tmp_path / "out.txt"
+    out.write_text(PRECIOUS)
+    before = files(tmp_path)
+    args = [str(setup["bart"]), "--input", str(long_input), "--output", str(out), mode]
+    code, err = run([*args, "--max-input-tokens", "500"], capsys)
+    assert code == 2, err
+    assert "--max-input-tokens 500: the model takes at most 64 input tokens" in err and "Traceback" not in err
+    assert len(error_lines(err)) == 1, err
+    assert files(tmp_path) == before
+    code, err = run([*args, "--max-input-tokens", "64"], capsys)  # within the limit: the long line is invalid
+    assert code == 1 and "has 300 tokens; the limit is 64" in err and "Traceback" not in err

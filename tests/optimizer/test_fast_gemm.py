@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import fastgen
 from fastgen.ops import fast_linear
+from fastgen.optimizer import linear_modes as fast_gemm
 from fastgen.optimizer import registry
-from fastgen.optimizer.transformers import fast_gemm
 from tests import harness
 from tests.conftest import HAS_FAIRSEQ
 from tests.harness import requires_feature
@@ -129,7 +129,7 @@ def test_fairseq_generation_runs_packed_and_stays_close(beam):
 def test_gpt2_conv1d_layers_run_packed_and_close():
     from transformers.pytorch_utils import Conv1D
 
-    from fastgen.optimizer import fast_gemm_scope
+    from fastgen.optimizer import linear_modes as fast_gemm_scope
 
     model = harness.tiny_hf_model("gpt2")
     convs = [m for m in model.modules() if type(m) is Conv1D]
@@ -142,3 +142,31 @@ def test_gpt2_conv1d_layers_run_packed_and_close():
             result = convs[0](x)
     assert "forward" not in convs[0].__dict__
     torch.testing.assert_close(result, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
+
+
+def _force_timings(monkeypatch, packed_ms: float, linear_ms: float) -> None:
+    """Make the calibration see these timings (the choice logic is under test, not the machine)."""
+
+    def fake_time_into(run, times):
+        run()
+        times.append(packed_ms if "_run_packed" in run.__code__.co_names else linear_ms)
+
+    monkeypatch.setattr(fast_linear, "_time_into", fake_time_into)
+
+
+@pytest.mark.parametrize(("packed_ms", "linear_ms", "kept"), [(1.0, 2.0, "packed"), (2.0, 1.0, "linear")])
+def test_each_shape_keeps_the_faster_form(monkeypatch, packed_ms, linear_ms, kept):
+    fast_linear.forget_packed()
+    _force_timings(monkeypatch, packed_ms, linear_ms)
+    module = torch.nn.Linear(48, 130)
+    x = torch.randn(6, 48)
+    with torch.no_grad():
+        for _ in range(fast_linear.CALIBRATE_AFTER + 2):
+            result = fast_linear.packed_linear(module, x)
+    (timed,) = fast_linear.choices().values()
+    assert timed == {"packed": packed_ms, "linear": linear_ms}
+    if kept == "linear":  # upstream's op, bit for bit, once it measured faster
+        assert torch.equal(result, F.linear(x, module.weight, module.bias))
+    else:
+        assert torch.equal(result, fast_linear._run_packed(module, x))
+    fast_linear.forget_packed()

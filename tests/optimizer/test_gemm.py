@@ -149,3 +149,15 @@ def test_fairseq_output_projection_bit_identical(beam, features):
             assert torch.equal(ref["positional_scores"], cand["positional_scores"])
     assert report.fast_path("gemm"), report
     assert any(choice.block is not None for choice in linear.choices().values()), linear.choices()
+    # the feed-forward products (32 -> 64) ran exact_linear too, not only the 200-word projection
+    assert any(key[1:3] == (64, 32) for key in linear.choices()), linear.choices()
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_every_plain_linear_runs_the_exact_form_during_the_call_only(family):
+    model = harness.tiny_hf_model(family)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert len(linears) > 4
+    with gemm.exact_output_projection(model):
+        assert all("forward" in m.__dict__ for m in linears)
+    assert not any("forward" in m.__dict__ for m in linears)

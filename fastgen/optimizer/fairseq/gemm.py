@@ -1,4 +1,8 @@
-"""Exact fast vocabulary projection for fairseq's transformer decoder on CPU fp32 ("gemm").
+"""Exact fast linears for fairseq's transformer on CPU fp32 ("gemm").
+
+Two hooks: ``output_layer`` (below) for the vocabulary projection, and ``SequenceGenerator.generate``
+(:func:`make_generate`), which for the call gives every other plain CPU fp32 ``nn.Linear`` of the
+generator's models the exact forward of :mod:`fastgen.optimizer.exact_scope`.
 
 ``TransformerDecoderBase.output_layer`` projects the decoder features onto the vocabulary with
 ``self.output_projection`` (an ``nn.Linear``, shared with the embeddings or not). The replacement
@@ -10,12 +14,14 @@ plain ``nn.Linear``, and calls off CPU fp32 go to upstream's method.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 
 from fastgen.ops.linear import exact_linear
-from fastgen.optimizer import fast_gemm_scope, report
+from fastgen.optimizer import linear_modes, report
+from fastgen.optimizer.exact_scope import exact_forwards, plain_linears
 from fastgen.optimizer.registry import fallback
 
 FEATURE = "gemm"
@@ -42,8 +48,8 @@ def make_output_layer(original: Callable[..., Any]) -> Callable[..., Any]:
     """Replacement for ``TransformerDecoderBase.output_layer`` (see module docstring)."""
 
     def output_layer(self: Any, features: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or fast_gemm_scope.installed(getattr(self, "output_projection", None)):
-            return original(self, features)  # compiled: upstream's op; fast_gemm: its packed forward
+        if torch.compiler.is_compiling() or linear_modes.installed(getattr(self, "output_projection", None)):
+            return original(self, features)  # compiled: upstream's op; fast_gemm/int8: the mode's forward
         problem = projection_problem(self, features)
         if problem is not None:
             fallback(FEATURE, problem)
@@ -53,3 +59,16 @@ def make_output_layer(original: Callable[..., Any]) -> Callable[..., Any]:
         return exact_linear(features, projection.weight, projection.bias)
 
     return output_layer
+
+
+def make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Replacement for ``SequenceGenerator.generate``: the models' other linears in their exact forms."""
+
+    def generate(self: Any, models: Any, sample: Any, **kwargs: Any) -> Any:
+        with ExitStack() as stack:
+            for model in getattr(getattr(self, "model", None), "models", None) or models:
+                heads = [getattr(getattr(model, "decoder", None), "output_projection", None)]
+                stack.enter_context(exact_forwards(plain_linears(model, skip=[h for h in heads if h is not None])))
+            return original(self, models, sample, **kwargs)
+
+    return generate

@@ -63,7 +63,8 @@ PATCHES += [
 ]
 
 # ---------------------------------------------------------------------------- gemm
-# The vocabulary projection on CPU fp32 in its fastest bit-identical GEMM form (fastgen.ops.linear).
+# Every CPU fp32 nn.Linear in its fastest bit-identical GEMM form (fastgen.ops.linear): the vocabulary
+# projection through output_layer, the others for the length of SequenceGenerator.generate.
 PATCHES += [
     Patch(
         "gemm",
@@ -73,16 +74,38 @@ PATCHES += [
         FAIRSEQ_VERSIONS,
         expects=("self", "features"),
     ),
+    Patch(
+        "gemm",
+        "fairseq.sequence_generator:SequenceGenerator.generate",
+        "fastgen.optimizer.fairseq.gemm:make_generate",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "models", "sample"),
+    ),
 ]
 
 # ---------------------------------------------------------------------------- fast_gemm (opt-in)
 # Every CPU fp32 nn.Linear of the generator's models on oneDNN with packed weights: faster, not
-# bit-identical (fastgen.optimizer.fairseq.fast_gemm). Stacks on beam's generate hook.
+# bit-identical (fastgen.optimizer.fairseq.linear_modes). Stacks on beam's generate hook.
 PATCHES += [
     Patch(
         "fast_gemm",
         "fairseq.sequence_generator:SequenceGenerator.generate",
-        "fastgen.optimizer.fairseq.fast_gemm:make_generate",
+        "fastgen.optimizer.fairseq.linear_modes:make_generate",
+        "fairseq",
+        FAIRSEQ_VERSIONS,
+        expects=("self", "models", "sample"),
+    ),
+]
+
+# ---------------------------------------------------------------------------- int8 (opt-in)
+# Every CPU fp32 nn.Linear of the generator's models in int8 (fastgen.ops.int8_linear). Declared after
+# fast_gemm so its hook wraps fast_gemm's: with both on, int8 serves the linears.
+PATCHES += [
+    Patch(
+        "int8",
+        "fairseq.sequence_generator:SequenceGenerator.generate",
+        "fastgen.optimizer.fairseq.linear_modes:make_int8_generate",
         "fairseq",
         FAIRSEQ_VERSIONS,
         expects=("self", "models", "sample"),

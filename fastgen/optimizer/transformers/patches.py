@@ -156,14 +156,44 @@ PATCHES += [
 
 # ---------------------------------------------------------------------------- fast_gemm (opt-in)
 # Every CPU fp32 nn.Linear on oneDNN with packed weights: faster, not bit-identical
-# (fastgen.optimizer.transformers.fast_gemm, fastgen.ops.fast_linear). Off by default (OPT_IN_FEATURES).
+# (fastgen.optimizer.transformers.linear_modes, fastgen.ops.fast_linear). Off by default (OPT_IN_FEATURES).
 PATCHES += [
     Patch(
         feature="fast_gemm",
         target="transformers.generation.utils:GenerationMixin.generate",
-        factory="fastgen.optimizer.transformers.fast_gemm:make_generate",
+        factory="fastgen.optimizer.transformers.linear_modes:make_generate",
         package="transformers",
         versions=HF_VERSIONS,
         expects=("self", "inputs", "generation_config"),
+    ),
+]
+
+# ---------------------------------------------------------------------------- int8 (opt-in)
+# Every CPU fp32 nn.Linear in int8 (weights per channel, activations per row; fastgen.ops.int8_linear).
+# Declared after fast_gemm so its hook wraps fast_gemm's: with both on, int8 serves the linears.
+PATCHES += [
+    Patch(
+        feature="int8",
+        target="transformers.generation.utils:GenerationMixin.generate",
+        factory="fastgen.optimizer.transformers.linear_modes:make_int8_generate",
+        package="transformers",
+        versions=HF_VERSIONS,
+        expects=("self", "inputs", "generation_config"),
+    ),
+]
+
+# ---------------------------------------------------------------------------- continuous
+# Continuous batching (fastgen.generate_many) is fastgen's own loop, not a hook of Transformers; this patch is
+# its switch, so it is listed and selected like every other feature. Off (not selected, fastgen disabled,
+# inside unpatched(), or a release whose structure the contract does not know), generate_many runs generate
+# on each input alone, which is what continuous batching returns for it.
+PATCHES += [
+    Patch(
+        feature="continuous",
+        target="fastgen.continuous.settings:switched_on",
+        factory="fastgen.continuous.settings:make_switched_on",
+        package="transformers",
+        versions=HF_VERSIONS,
+        requires=CONTRACT,
     ),
 ]

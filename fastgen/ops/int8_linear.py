@@ -1,0 +1,201 @@
+"""``int8_linear``: a CPU linear layer in int8 — weights per output channel, activations per row.
+
+Why: a decode step on CPU is bound by its GEMMs, and int8 products run 3-7x faster than MKL's fp32
+``sgemm`` on the CPUs measured (AVX-512 VNNI; see ``benchmarks/``). This is the scheme CTranslate2's
+``int8`` compute types use, so quality is comparable:
+
+* **weights**, once per module (cached, rebuilt when the weight changes: :mod:`fastgen.ops.weight_cache`):
+  ``scale_w[n] = max|W[n, :]| / 127``, ``Wq = round(W / scale_w)`` in ``[-127, 127]``;
+* **activations**, per call and per row: ``scale_x[m] = max|x[m, :]| / 127``, ``xq = round(x / scale_x)``;
+* ``y[m, n] = scale_x[m] * scale_w[n] * sum_k xq[m, k] * Wq[n, k] + b[n]`` (integer products, int32 sums).
+
+That formula is :func:`int8_linear_reference`. Two backends compute it with torch's own kernels:
+
+* ``fbgemm`` (default where torch has it): ``torch.ops.quantized.linear_dynamic`` on a prepacked
+  per-channel weight. Its activation quantization is per tensor, so each row is first divided by its
+  own ``max|x[m, :]|`` (every row then spans ``[-1, 1]``) and the output rows multiplied back: per-row
+  scales through a per-tensor kernel. fbgemm's 8-bit grid over ``[-1, 1]`` is asymmetric (zero point
+  near 128), so results differ from the reference by at most about one activation step per element.
+  On CPUs without VNNI fbgemm's ``u8 x s8`` pair sums can saturate int16, so activations use 7 bits there
+  (``reduce_range``), as torch's own dynamic quantization does.
+* ``int_mm``: ``torch._int_mm`` (int8 x int8 -> int32) with the scaling in torch ops: the reference's
+  arithmetic exactly, slower (measured), kept for torch builds without the quantized engine.
+
+Not bit-identical to ``F.linear`` and not meant to be: the ``int8`` feature is opt-in.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: ``FASTGEN_INT8_BACKEND=int_mm`` forces the slower exact-reference backend (tests, bisecting).
+BACKEND_ENV = "FASTGEN_INT8_BACKEND"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _has_fbgemm() -> bool:
+    engines = torch.backends.quantized.supported_engines
+    return ("fbgemm" in engines or "x86" in engines) and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+def backend() -> str:
+    """The backend this process uses: ``fbgemm`` or ``int_mm`` (see the module docstring)."""
+    forced = os.environ.get(BACKEND_ENV)
+    if forced in ("fbgemm", "int_mm"):
+        return forced if forced != "fbgemm" or _has_fbgemm() else "int_mm"
+    return "fbgemm" if _has_fbgemm() else "int_mm"
+
+
+def reduce_range() -> bool:
+    """fbgemm's 7-bit activations, needed where its int16 pair sums can saturate (no VNNI)."""
+    return "avx512_vnni" not in cpu_flags()
+
+
+def unavailable() -> str | None:
+    """Why this torch build cannot run int8 linears (None: it can)."""
+    if backend() == "int_mm" and not hasattr(torch, "_int_mm"):
+        return f"torch {torch.__version__} has neither the fbgemm quantized engine nor torch._int_mm"
+    return None
+
+
+#: Narrower products run upstream's op: ``torch._int_mm`` returns wrong sums for one input feature
+#: (torch 2.13, checked in tests), and int8 cannot pay at such sizes anyway.
+MIN_IN_FEATURES = 8
+
+
+def module_problem(module: torch.nn.Module) -> str | None:
+    """Why ``module`` cannot run in int8 (None: it can)."""
+    weight, bias = module.weight, getattr(module, "bias", None)
+    if weight.dim() != 2 or min(weight.shape) < MIN_IN_FEATURES:
+        return f"weight of shape {tuple(weight.shape)} (int8 needs at least {MIN_IN_FEATURES} features each way)"
+    if weight.device.type != "cpu":
+        return f"weights on {weight.device.type} (the int8 kernels are for CPU)"
+    if weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        return f"weights in {weight.dtype} (the int8 path quantizes float32 weights)"
+    return None
+
+
+def weight_scales(weight: torch.Tensor) -> torch.Tensor:
+    """Per output channel ``max|W[n, :]| / 127`` (1 for an all-zero row, whose codes are then 0)."""
+    scale = weight.abs().amax(dim=1) / 127
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Wq, scale_w)``: int8 codes ``(N, K)`` and float32 scales ``(N,)`` of a ``(N, K)`` weight."""
+    scale = weight_scales(weight)
+    codes = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+#: Floor of a row's ``max|x|``: an all-zero row divides by this (its codes stay 0) instead of by 0.
+TINY = 1e-30
+
+
+def _row_max(x2: torch.Tensor) -> torch.Tensor:
+    """Each row's ``max|x[m, :]|`` (at least :data:`TINY`), shape ``(M, 1)``.
+
+    A large input takes ``max(amax, -amin)``: no ``|x|`` temporary (an encoder's 1024 x 3072 one cost
+    twice the two reductions, measured); a decode step's few rows take the two-op form.
+    """
+    if x2.numel() > 1 << 16:
+        return torch.maximum(x2.amax(dim=1, keepdim=True), x2.amin(dim=1, keepdim=True).neg_()).clamp_min_(TINY)
+    return x2.abs().amax(dim=1, keepdim=True).clamp_min_(TINY)
+
+
+def int8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The semantics (module docstring), in plain torch: integer products summed exactly in int64."""
+    codes, scale_w = quantize_weight(weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    scale_x = _row_max(x2) / 127
+    xq = torch.round(x2 / scale_x).clamp_(-127, 127).to(torch.int64)
+    y = (xq @ codes.to(torch.int64).t()).to(torch.float32) * (scale_x * scale_w)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Int8Weight:
+    """A weight prepared for one backend, plus what the forward needs (bias, shape, bytes)."""
+
+    def __init__(self, weight: torch.Tensor, kind: str) -> None:
+        if weight.dim() != 2 or weight.shape[1] < MIN_IN_FEATURES:
+            raise ValueError(f"int8 weights need (out, in >= {MIN_IN_FEATURES}), got {tuple(weight.shape)}")
+        self.kind = kind
+        self.out_features = weight.shape[0]
+        codes, scale = quantize_weight(weight)
+        if kind == "fbgemm":
+            with warnings.catch_warnings():  # torch >= 2.10 deprecates quantized tensors; the kernel is what we need
+                warnings.simplefilter("ignore")
+                quantized = torch._make_per_channel_quantized_tensor(
+                    codes, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0
+                )
+                self.packed: Any = torch.ops.quantized.linear_prepack(quantized, None)
+            self.reduce_range = reduce_range()
+        else:
+            self.packed = codes.t().contiguous()  # (K, N) for torch._int_mm
+            self.scale = scale
+        self.nbytes = codes.numel() + scale.numel() * scale.element_size()
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 @ W.T`` in int8 for a contiguous ``(M, K)`` float32 input (no bias)."""
+        row_max = _row_max(x2)
+        if self.kind == "fbgemm":
+            y = torch.ops.quantized.linear_dynamic(x2 / row_max, self.packed, self.reduce_range)
+            return y.mul_(row_max)
+        scale_x = row_max / 127
+        xq = torch.round(x2 / scale_x).clamp_(-127, 127).to(torch.int8)
+        return torch._int_mm(xq, self.packed).to(torch.float32).mul_(scale_x * self.scale)
+
+
+def prepare(weight: torch.Tensor) -> Int8Weight:
+    """The weight quantized for this process's backend (``(N, K)``, float32, CPU)."""
+    return Int8Weight(weight.detach(), backend())
+
+
+def runs_int8(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether a call may take the int8 path (not traced, CPU fp32, no autograd, 2+ dims, not empty)."""
+    return not (
+        torch.compiler.is_compiling()
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        or x.dim() < 2
+        or x.numel() == 0
+    )
+
+
+def int8_linear(x: torch.Tensor, prepared: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W`` int8-prepared (module docstring); ``x`` float32, any leading dims."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = prepared.matmul(x2)
+    if bias is not None:
+        y.add_(bias)
+    return y.reshape(*x.shape[:-1], prepared.out_features)
+
+
+def linear_or_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: Any) -> torch.Tensor:
+    """``int8_linear`` where :func:`runs_int8` allows, else upstream's ``F.linear``."""
+    if not runs_int8(weight, x):
+        return F.linear(x, weight, bias)
+    return int8_linear(x, prepared(), bias)

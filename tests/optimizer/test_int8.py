@@ -1,0 +1,249 @@
+"""The opt-in "int8" feature: int8 linears (weights per channel, activations per row).
+
+What is asserted: the op's backends compute the documented formula (``int_mm`` bit for bit, ``fbgemm``
+within its activation grid); the feature is off by default, runs on every plain CPU fp32 linear of a
+Transformers or fairseq ``generate`` call and leaves the modules as they were; it stays close to
+upstream's scores (quantization error, relative to the step's logits); with fast_gemm also on, int8
+serves; other dtypes fall back with a reason; a compiled forward traces upstream's op.
+Weight updates of every kind are in tests/optimizer/test_weight_updates.py.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastgen
+from fastgen.ops import int8_linear
+from fastgen.optimizer import linear_modes, registry
+from tests import harness
+from tests.conftest import HAS_FAIRSEQ
+from tests.harness import requires_feature
+
+HF_INT8 = requires_feature("int8")
+pytestmark = pytest.mark.skipif(int8_linear.unavailable() is not None, reason=str(int8_linear.unavailable()))
+
+DEFAULT_FEATURES = sorted(set(registry.known_features()) - registry.OPT_IN_FEATURES)
+BACKENDS = ["int_mm", *(["fbgemm"] if int8_linear._has_fbgemm() else [])]
+
+
+def _weights(rows: int, cols: int, seed: int, zero_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=generator) * 0.1
+    if zero_row:
+        weight[0] = 0
+    return weight, torch.randn(rows, generator=generator)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    k=st.integers(int8_linear.MIN_IN_FEATURES, 70),
+    n=st.integers(1, 90),
+    seed=st.integers(0, 10**6),
+    zero_row=st.booleans(),
+    bias=st.booleans(),
+)
+def test_int_mm_backend_is_the_reference_bit_for_bit(rows, k, n, seed, zero_row, bias):
+    weight, b = _weights(n, k, seed, zero_row)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
+    if zero_row:
+        x[0] = 0  # an all-zero activation row (scale 1, codes 0)
+    b = b if bias else None
+    result = int8_linear.int8_linear(x, int8_linear.Int8Weight(weight, "int_mm"), b)
+    assert torch.equal(result, int8_linear.int8_linear_reference(x, weight, b))
+
+
+@pytest.mark.skipif("fbgemm" not in BACKENDS, reason="no fbgemm quantized engine in this torch")
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    k=st.integers(int8_linear.MIN_IN_FEATURES, 300),
+    n=st.integers(1, 90),
+    seed=st.integers(0, 10**6),
+)
+def test_fbgemm_backend_is_as_close_to_fp32_as_the_reference(rows, k, n, seed):
+    weight, b = _weights(n, k, seed, zero_row=False)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
+    exact = F.linear(x, weight, b)
+    result = int8_linear.int8_linear(x, int8_linear.Int8Weight(weight, "fbgemm"), b)
+    assert result.shape == exact.shape
+    # Rounding bound per element: half an activation step times sum|W| plus half a weight step times
+    # sum|x| (cross term and fbgemm's zero point: a factor 2). fbgemm's step over each row's [-1, 1]
+    # is 2/255 of the row's max|x| (2/127 with 7-bit activations where there is no VNNI).
+    levels = 127 if int8_linear.reduce_range() else 255
+    step_x = x.abs().amax(dim=1, keepdim=True) * 2 / levels
+    step_w = weight.abs().amax(dim=1) / 127
+    bound = step_x * weight.abs().sum(dim=1) + step_w * x.abs().sum(dim=1, keepdim=True) + 1e-5
+    assert ((result - exact).abs() <= bound).all()
+
+
+def test_torch_int_mm_is_wrong_for_one_input_feature_so_narrow_weights_are_refused():
+    a = torch.tensor([[3], [-5]], dtype=torch.int8)
+    b = torch.tensor([[1], [2], [7]], dtype=torch.int8).t().contiguous()  # (1, 3): its stride stays (1, 1)
+    if torch.equal(torch._int_mm(a, b), a.int() @ b.int()):
+        pytest.skip("this torch computes it right; MIN_IN_FEATURES could drop")
+    with pytest.raises(ValueError, match="int8 weights need"):
+        int8_linear.Int8Weight(torch.randn(4, int8_linear.MIN_IN_FEATURES - 1), "int_mm")
+    assert "features each way" in int8_linear.module_problem(torch.nn.Linear(1, 16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_dims_and_non_contiguous_inputs(backend):
+    weight, b = _weights(24, 16, 0, zero_row=False)
+    x = torch.randn(3, 16, 5).transpose(1, 2)  # (3, 5, 16), not contiguous
+    result = int8_linear.int8_linear(x, int8_linear.Int8Weight(weight, backend), b)
+    expected = int8_linear.int8_linear(x.contiguous(), int8_linear.Int8Weight(weight, backend), b)
+    assert result.shape == (3, 5, 24) and torch.equal(result, expected)
+
+
+def test_off_by_default():
+    assert "int8" in registry.OPT_IN_FEATURES
+    with fastgen.patched():
+        assert not registry.feature_enabled("int8")
+
+
+#: (largest, mean) logit error relative to the step's largest logit, measured on the tiny models with
+#: margin. Random tiny models are a worst case for per-row activation scales (wide init, outliers: T5
+#: and Llama without a trained norm); quality on a trained model: benchmarks/trained_agreement.py.
+TOLERANCE = {"t5": (0.5, 0.08), "llama": (0.25, 0.04)}
+DEFAULT_TOLERANCE = (0.08, 0.02)
+
+
+def _assert_scores_close(reference, candidate, tolerance=DEFAULT_TOLERANCE):
+    """int8 moves logits by its quantization error: a few percent of the step's largest logit."""
+    for ref, cand in zip(reference, candidate, strict=True):
+        scale = ref.abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+        finite = torch.isfinite(ref) & torch.isfinite(cand)
+        error = ((ref - cand).abs() / scale)[finite]
+        assert error.max().item() <= tolerance[0] and error.mean().item() <= tolerance[1]
+
+
+@HF_INT8
+@pytest.mark.parametrize("family", ["bart", "marian", "t5", "llama", "gpt2"])
+def test_generation_runs_in_int8_and_stays_close(family):
+    model = harness.tiny_hf_model(family)
+    inputs = harness.tiny_inputs(model, batch=3)
+    kwargs = dict(max_new_tokens=1, num_beams=1, return_dict_in_generate=True, output_logits=True)
+    with fastgen.patched(DEFAULT_FEATURES):
+        reference = model.generate(**inputs, **kwargs)
+    with fastgen.patched([*DEFAULT_FEATURES, "int8"]), fastgen.report() as report:
+        candidate = model.generate(**inputs, **kwargs)
+    assert report.fast_path("int8"), report
+    assert "gemm" not in report.ran  # the head is int8's, gemm steps aside silently
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear or linear_modes.is_conv1d(m)]
+    assert linears and not any("forward" in m.__dict__ for m in linears)  # removed when the call ended
+    assert not torch.equal(reference.logits[0], candidate.logits[0])  # it did quantize
+    _assert_scores_close(reference.logits, candidate.logits, TOLERANCE.get(family, DEFAULT_TOLERANCE))
+
+
+@HF_INT8
+def test_with_fast_gemm_on_too_int8_serves():
+    model = harness.tiny_hf_model("bart")
+    inputs = harness.tiny_inputs(model, batch=2)
+    with fastgen.patched([*DEFAULT_FEATURES, "int8"]):
+        int8_only = model.generate(**inputs, max_new_tokens=5, num_beams=2)
+    with fastgen.patched([*DEFAULT_FEATURES, "fast_gemm", "int8"]), fastgen.report() as report:
+        both = model.generate(**inputs, max_new_tokens=5, num_beams=2)
+    assert report.fast_path("int8") and "fast_gemm" not in report.ran, report
+    assert not any(feature == "fast_gemm" for feature, _ in report.fell_back), report
+    assert torch.equal(int8_only, both)
+
+
+@HF_INT8
+def test_other_dtypes_fall_back_with_a_reason():
+    model = harness.tiny_hf_model("bart").double()
+    inputs = harness.tiny_inputs(model, batch=2)
+    with fastgen.unpatched():
+        reference = model.generate(**inputs, max_new_tokens=4, num_beams=2)
+    with fastgen.patched(["int8"]), fastgen.report() as report:
+        candidate = model.generate(**inputs, max_new_tokens=4, num_beams=2)
+    assert torch.equal(reference, candidate)
+    assert ("int8", "no CPU float32 nn.Linear modules in the model") in report.fell_back
+
+
+def test_compiled_linear_inside_the_scope_traces_f_linear():
+    model = harness.tiny_hf_model("bart")
+    head = model.get_output_embeddings()
+    x = torch.randn(4, 1, model.config.d_model)
+    with linear_modes.int8_linears(model), torch.no_grad():
+        explanation = torch._dynamo.explain(head)(x)
+        result = torch.compile(head, backend="eager", fullgraph=True)(x)
+    assert explanation.graph_break_count == 0
+    assert torch.equal(result, F.linear(x, head.weight))
+
+
+def test_autograd_calls_run_upstream_op():
+    model = harness.tiny_hf_model("bart")
+    head = model.get_output_embeddings()
+    x = torch.randn(2, 3, model.config.d_model, requires_grad=True)
+    with linear_modes.int8_linears(model):
+        result = head(x)
+    assert torch.equal(result, F.linear(x, head.weight))
+
+
+def test_reports_the_int8_copies_bytes():
+    model = harness.tiny_hf_model("bart")
+    linear_modes.forget_int8()
+    with linear_modes.int8_linears(model):
+        pass
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    distinct = {id(m): m for m in linears}.values()
+    expected = sum(m.weight.numel() + 4 * m.weight.shape[0] for m in distinct)  # a byte a weight, fp32 scales
+    assert linear_modes.int8_bytes() == expected
+
+
+@pytest.mark.skipif(not HAS_FAIRSEQ, reason="fairseq is not installed")
+def test_fairseq_generation_runs_in_int8_and_stays_close():
+    model, dictionary = harness.tiny_fairseq_transformer(vocab=200)
+    sample = harness.tiny_fairseq_sample(dictionary, batch=3)
+    with fastgen.patched(DEFAULT_FEATURES):
+        reference = harness.fairseq_generate(model, dictionary, sample, beam_size=1, max_len_b=1, min_len=1)
+    with fastgen.patched([*DEFAULT_FEATURES, "int8"]), fastgen.report() as report:
+        candidate = harness.fairseq_generate(model, dictionary, sample, beam_size=1, max_len_b=1, min_len=1)
+    assert report.fast_path("int8"), report
+    assert not any(f == "gemm" for f, _ in report.fell_back), report
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert linears and not any("forward" in m.__dict__ for m in linears)
+    ref = torch.stack([hypos[0]["positional_scores"][0] for hypos in reference])
+    cand = torch.stack([hypos[0]["positional_scores"][0] for hypos in candidate])
+    assert not torch.equal(ref, cand)
+    _assert_scores_close([ref], [cand])
+
+
+@pytest.mark.parametrize("rows", [3, 400])  # the decode-step form and the large-input form
+def test_row_max_is_the_largest_magnitude_of_each_row(rows):
+    x = torch.randn(rows, 300)
+    x[0] = 0
+    x[1, 7] = -50.0  # a row whose largest magnitude is negative
+    expected = x.abs().amax(dim=1, keepdim=True).clamp_min(int8_linear.TINY)
+    assert torch.equal(int8_linear._row_max(x), expected)
+
+
+@pytest.mark.parametrize("scope", ["int8", "fast_gemm"])
+def test_another_thread_meanwhile_runs_upstream_op(scope):
+    """The forwards are installed on the shared modules, but serve only the thread inside the scope."""
+    import threading
+
+    model = harness.tiny_hf_model("bart")
+    head = model.get_output_embeddings()
+    x = torch.randn(3, model.config.d_model)
+    entered, done = threading.Event(), threading.Event()
+
+    def inside():
+        with (linear_modes.int8_linears if scope == "int8" else linear_modes.packed_linears)(model):
+            entered.set()
+            done.wait(timeout=30)
+
+    thread = threading.Thread(target=inside)
+    thread.start()
+    try:
+        assert entered.wait(timeout=30)
+        assert linear_modes.installed(head) == scope
+        with torch.no_grad():
+            assert torch.equal(head(x), F.linear(x, head.weight))
+    finally:
+        done.set()
+        thread.join()
+    assert linear_modes.installed(head) is None
