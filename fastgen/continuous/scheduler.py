@@ -1,12 +1,13 @@
 """The continuous-batching scheduler: keep ``batch_rows`` decoder rows busy while a list of inputs is generated.
 
 A static batch (``generate`` on length-sorted chunks, fastgen's shrinking beam loop included) gets
-thinner as its inputs finish and waits for its longest one; on a CPU a decoder step costs about the
-same for 4 rows as for 64 (it streams the weights), so every thinned step wastes most of its cost.
-Here, as soon as an input is done its rows leave and the next inputs of the queue take the free slots:
-the newcomers admitted together are encoded in one call (right-padded), their cross-attention K/V
-are projected once and padded to the batch's widest, and their first decoder step joins the running
-step. Results come out in input order.
+thinner as its inputs finish and waits for its longest one; a decoder step has a fixed cost (weights
+streamed, per-op overhead) besides its per-row cost, which every thinned step pays for few rows (on
+this project's 2-core CPU, one thread: BART d=384 about 16 ms at 4 rows and 67 ms at 64, bart-base 42
+and 178 ms). Here, as soon as an input is done its rows leave and the next inputs of the queue take the
+free slots: inputs are encoded ``batch_rows // beams`` at a time (right-padded) ahead of joining
+(:class:`_Encoded`), their cross-attention K/V projected once and padded to the batch's widest, and
+their first decoder step joins the running step. Results come out in input order.
 
 Per input, every row does the arithmetic of ``generate`` on that input alone (module docs of
 :mod:`.cache`, :mod:`.search`); the tests check tokens exactly and scores within a few ulps of the
