@@ -1,7 +1,8 @@
 """Installs fastgen; builds the CUDA extension ``fastgen._C`` only where it can be built.
 
 A CPU machine (no CUDA torch or no nvcc) installs the pure-Python package; on a GPU machine
-without a prebuilt extension, :mod:`fastgen.ops._ext` JIT-builds the same sources on first use.
+without a prebuilt extension, :mod:`fastgen.ops._ext` JIT-builds the same sources on first use,
+which is why ``csrc/`` ships inside the package as ``fastgen/_csrc`` (a wheel has no source checkout).
 """
 
 import glob
@@ -9,6 +10,18 @@ import os
 import shutil
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithSources(build_py):
+    """Copies ``csrc/`` into the built package as ``fastgen/_csrc`` for the JIT build of an installed wheel."""
+
+    def run(self) -> None:
+        super().run()
+        target = os.path.join(self.build_lib, "fastgen", "_csrc")
+        os.makedirs(target, exist_ok=True)
+        for source in sorted(glob.glob("csrc/*.cu") + glob.glob("csrc/*.h") + glob.glob("csrc/*.cpp")):
+            shutil.copy(source, target)
 
 
 def _cuda_extension() -> dict:
@@ -27,4 +40,6 @@ def _cuda_extension() -> dict:
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
 
 
-setup(**_cuda_extension())
+options = _cuda_extension()
+cmdclass = {**options.pop("cmdclass", {}), "build_py": BuildPyWithSources}
+setup(**options, cmdclass=cmdclass)

@@ -15,7 +15,6 @@ Writes ``benchmarks/results/attention_op-<device>.json`` with device, versions a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.measure import environment, synchronize
+from benchmarks.measure import environment, synchronize, write_result
 from fastgen.ops.attention import (
     group_beam_queries,
     layout_for_groups,
@@ -165,9 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         result["environment"]["load_average_1m"] = os.getloadavg()[0]
     _print(result)
     if not args.no_save:
-        args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"attention_op-{args.device}.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(path, result)
         print(f"wrote {path}")
     return 0
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import statistics
 import sys
 import time
@@ -33,7 +31,7 @@ import torch
 
 import fastgen
 from benchmarks import varlen
-from benchmarks.measure import environment, rotating_order
+from benchmarks.measure import alternate, environment, result_header, write_result
 from benchmarks.scenarios import SCENARIOS
 
 VARLEN = "bart-base-varlen"
@@ -101,25 +99,18 @@ def main(argv: list[str] | None = None) -> None:
             return out, time.perf_counter() - start, time.thread_time() - start_cpu
 
     names = list(variants)
-    outputs = {name: run(name)[0] for name in names}  # warm-up
-    wall: dict[str, list[float]] = {name: [] for name in names}
-    cpu: dict[str, list[float]] = {name: [] for name in names}
-    load_start = [round(x, 2) for x in os.getloadavg()]
-    for name in rotating_order(names, args.rounds):
-        outputs[name], seconds, cpu_seconds = run(name)
-        wall[name].append(seconds)
-        cpu[name].append(cpu_seconds)
+    rounds = alternate(run, names, args.rounds)
+    outputs, load = rounds.outputs, rounds.load_average
+    wall = {name: rounds.column(name, 0) for name in names}
+    cpu = {name: rounds.column(name, 1) for name in names}
     medians = {name: statistics.median(wall[name]) for name in names}
     cpu_medians = {name: statistics.median(cpu[name]) for name in names}
-    report = {
-        "benchmark": "beam_loop",
-        "command": "python -m benchmarks.beam_loop " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    report = result_header("beam_loop", argv) | {
         "scenario": args.scenario,
         "settings": settings,
         "variants": variants,
         "environment": environment("cpu"),
-        "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+        "load_average": load,
         "identical_outputs": all(torch.equal(outputs["upstream"].sequences, outputs[n].sequences) for n in names),
         "wall_seconds": wall,
         "thread_cpu_seconds": cpu,
@@ -142,14 +133,14 @@ def main(argv: list[str] | None = None) -> None:
         f"-norepeat{args.no_repeat}" if args.no_repeat is not None else ""
     )
     out = args.out or Path(__file__).resolve().parent / "results" / f"beam_loop-{args.scenario}{suffix}-cpu.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out, report)
     for name in names:
         sys.stdout.write(
             f"{name:>13}: wall median {medians[name]:.3f} s, thread CPU median {cpu_medians[name]:.3f} s\n"
         )
     sys.stdout.write(
         f"speedup wall {report['speedup_wall']}, thread CPU {report['speedup_thread_cpu']}; "
-        f"identical outputs: {report['identical_outputs']}; load {load_start} -> {report['load_average']['end']}\n"
+        f"identical outputs: {report['identical_outputs']}; load {load['start']} -> {load['end']}\n"
     )
 
 

@@ -34,8 +34,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import json
-import os
 import pkgutil
 import statistics
 import sys
@@ -52,7 +50,7 @@ import fastgen
 import fastgen.models
 from benchmarks import varlen
 from benchmarks.beam_loop import VARIANTS, VARLEN, VARLEN_SETTINGS
-from benchmarks.measure import environment, rotating_order
+from benchmarks.measure import alternate, environment, result_header, write_result
 from benchmarks.scenarios import SCENARIOS, Scenario
 
 #: cache method -> the part of the step its time goes to
@@ -351,17 +349,16 @@ def main(argv: list[str] | None = None) -> None:
             out = recorder.time(lambda: model.generate(**inputs, **kwargs))
         return out if isinstance(out, torch.Tensor) else out.sequences
 
+    def recorded(variant: str) -> tuple[torch.Tensor, dict[str, Any], dict[str, int]]:
+        recorder = Recorder()
+        out = run(variant, recorder)
+        return out, breakdown(recorder), call_counts(recorder)
+
     with instrumented(model) as wrapped:
-        outputs = {name: run(name, Recorder()) for name in names}  # warm-up
-        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-        counts = {}
-        load_start = [round(x, 2) for x in os.getloadavg()]
-        for name in rotating_order(names, args.rounds):
-            recorder = Recorder()
-            outputs[name] = run(name, recorder)
-            rounds[name].append(breakdown(recorder))
-            counts[name] = call_counts(recorder)
-        load_end = [round(x, 2) for x in os.getloadavg()]
+        measured = alternate(recorded, names, args.rounds)
+        outputs = measured.outputs
+        rounds = {name: measured.column(name, 0) for name in names}
+        counts = {name: measured.column(name, 1)[-1] for name in names}
         top = {}
         for name in names:  # not among the timed rounds: the profiler's own overhead is large
             profiled = Recorder(profile=True)
@@ -381,15 +378,12 @@ def main(argv: list[str] | None = None) -> None:
             "instrumentation_thread_cpu_ms_estimate": _ms(regions * region_cost),
             "profiler_outside_forward": top[name],
         }
-    report = {
-        "benchmark": "beam_steps",
-        "command": "python -m benchmarks.beam_steps " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    report = result_header("beam_steps", argv) | {
         "scenario": args.scenario,
         "settings": settings | {"generate": kwargs},
         "variants": VARIANTS,
         "environment": environment("cpu"),
-        "load_average": {"start": load_start, "end": load_end},
+        "load_average": measured.load_average,
         "identical_outputs": all(torch.equal(outputs["upstream"], outputs[n]) for n in names),
         "rounds": args.rounds,
         "method": {
@@ -419,13 +413,14 @@ def main(argv: list[str] | None = None) -> None:
             "natural_lengths_upstream": varlen.natural_lengths(outputs["upstream"], pad=1),
         }
     out = args.out or Path(__file__).resolve().parent / "results" / f"beam_steps-{args.scenario}-cpu.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out, report)
     for name in names:
         cpu = results[name]["thread_cpu_ms"]
         parts = ", ".join(f"{p} {cpu['totals_median'][p]:.1f}" for p in PARTS)
         sys.stdout.write(f"{name:>13} thread CPU ms: {parts}; total {cpu['totals_median']['total']:.1f}\n")
         sys.stdout.write(f"{'':>13} per step: {cpu['per_step_median']}; profiler: {top[name]}\n")
-    sys.stdout.write(f"identical outputs: {report['identical_outputs']}; load {load_start} -> {load_end}\n")
+    load = measured.load_average
+    sys.stdout.write(f"identical outputs: {report['identical_outputs']}; load {load['start']} -> {load['end']}\n")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ differ on purpose; identical outputs are checked here.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -26,7 +24,7 @@ from pathlib import Path
 import torch
 
 import fastgen
-from benchmarks.measure import environment, rotating_order
+from benchmarks.measure import alternate, environment, result_header, write_result
 from benchmarks.scenarios import FairseqScenario
 
 BART_BASE_WIDTH = dict(
@@ -104,25 +102,18 @@ def main(argv: list[str] | None = None) -> None:
         return out.sequences, total, clock.seconds, clock.steps
 
     names = list(VARIANTS)
-    outputs = {name: run(name)[0] for name in names}  # warm-up
-    total: dict[str, list[float]] = {name: [] for name in names}
-    step_ms: dict[str, list[float]] = {name: [] for name in names}
-    load_start = [round(x, 2) for x in os.getloadavg()]
-    for name in rotating_order(names, args.rounds):
-        outputs[name], seconds, model_seconds, steps = run(name)
-        total[name].append(seconds)
-        step_ms[name].append(1e3 * (seconds - model_seconds) / steps)
+    rounds = alternate(run, names, args.rounds)
+    outputs, load = rounds.outputs, rounds.load_average
+    total = {name: rounds.column(name, 0) for name in names}
+    step_ms = {name: [1e3 * (t - model) / steps for t, model, steps in rounds.measured[name]] for name in names}
     med_total = {n: statistics.median(total[n]) for n in names}
     med_step = {n: statistics.median(step_ms[n]) for n in names}
-    result = {
-        "benchmark": "fairseq_beam",
-        "command": "python -m benchmarks.fairseq_beam " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    result = result_header("fairseq_beam", argv) | {
         "model": BART_BASE_WIDTH,
         "settings": settings | {"beam_size": args.beam, "min_len == max_len": True},
         "variants": VARIANTS,
         "environment": environment("cpu"),
-        "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+        "load_average": load,
         "identical_outputs": all(torch.equal(outputs["upstream"], outputs[n]) for n in names),
         "thread_cpu_seconds": total,
         "step_outside_model_ms": step_ms,
@@ -130,14 +121,14 @@ def main(argv: list[str] | None = None) -> None:
         "speedup_thread_cpu": {n: med_total["upstream"] / med_total[n] for n in names[1:]},
     }
     out = args.out or Path(__file__).resolve().parent / "results" / "fairseq_beam-cpu.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     for name in names:
         sys.stdout.write(
             f"{name:>11}: thread CPU median {med_total[name]:.3f} s; step outside the model {med_step[name]:.2f} ms\n"
         )
     sys.stdout.write(
         f"speedup (thread CPU) {result['speedup_thread_cpu']}; identical outputs: {result['identical_outputs']}; "
-        f"load {load_start} -> {result['load_average']['end']}\n"
+        f"load {load['start']} -> {load['end']}\n"
     )
 
 

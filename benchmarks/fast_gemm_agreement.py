@@ -7,7 +7,7 @@ task, a 1+1-layer transformer, d=16, three updates of ``fairseq-train``); ``fast
 decodes the test split with beam 4 twice in one process, with the default (exact) features and
 with ``fast_gemm`` added, and the script compares the hypotheses line by line and the BLEU lines.
 A barely trained, narrow model: the reductions are 16–32 long, so this is weak evidence of
-agreement on large models (the random-weight bart-base / marian figures are in the README table).
+agreement on large models (the random-weight bart-base / marian figures are in docs/benchmarks/ctranslate2.md).
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ import os
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 import fastgen
-from benchmarks.measure import environment
+from benchmarks.measure import environment, result_header, write_result
 
 DEFAULT = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES)
 
@@ -59,10 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     exact, exact_bleu, exact_ran = _decode(setup, DEFAULT)
     fast, fast_bleu, fast_ran = _decode(setup, [*DEFAULT, "fast_gemm"])
     same = sum(exact[k] == fast.get(k) for k in exact)
-    report = {
-        "benchmark": "fast_gemm_agreement",
-        "command": "python -m benchmarks.fast_gemm_agreement " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    report = result_header("fast_gemm_agreement", argv) | {
         "model": "tests/cli/fairseq_setup.py: transformer 1+1 layers, d=16, 3 updates; beam 4, sacrebleu",
         "environment": environment("cpu"),
         "sentences": len(exact),
@@ -72,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         "features_ran": {"exact": exact_ran, "fast": fast_ran},
     }
     out = args.out or Path(__file__).resolve().parent / "results" / "fast_gemm_agreement-fairseq-cli-cpu.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out, report)
     sys.stdout.write(json.dumps({k: report[k] for k in list(report)[-5:]}) + "\n")
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import fastgen
-from benchmarks.measure import environment
+from benchmarks.measure import environment, result_header, write_result
 from benchmarks.scenarios import SCENARIOS
 from fastgen.ops import fast_linear, linear
 
@@ -108,10 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     floors = {form: sum(entry[form] for entry in shapes.values()) for form in ("f_linear", "exact", "packed")}
     steps = {"fastgen": step_ms(DEFAULT, args.rounds), "fastgen_fast": step_ms([*DEFAULT, "fast_gemm"], args.rounds)}
     load.append(round(os.getloadavg()[0], 2))
-    report = {
-        "benchmark": "gemm_floor",
-        "command": "python -m benchmarks.gemm_floor " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    report = result_header("gemm_floor", argv) | {
         "rows": rows,
         "environment": environment("cpu"),
         "load_average_1min": load,
@@ -124,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         },
     }
     out = args.out or Path(__file__).resolve().parent / "results" / "gemm_floor-bart-base-cpu.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out, report)
     sys.stdout.write(json.dumps({k: report[k] for k in ("floor_ms_per_step", "step_ms", "step_over_floor")}) + "\n")
     sys.stdout.write(f"load {load}\n")
 

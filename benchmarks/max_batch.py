@@ -22,7 +22,6 @@ CUDA only: on CPU there is no allocator limit to enforce (the resident set is no
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 import fastgen
-from benchmarks.measure import environment, rotating_order, synchronize
+from benchmarks.measure import environment, result_header, rotating_order, synchronize, write_result
 from benchmarks.run import DTYPES, RESULTS
 from benchmarks.scenarios import SCENARIOS, Scenario
 
@@ -149,10 +148,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         }
         for name in runs
     }
-    return {
-        "benchmark": "max_batch",
-        "command": "python -m benchmarks.max_batch " + " ".join(sys.argv[1:]),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    return result_header("max_batch", None) | {
         "scenario": scenario.name,
         "note": scenario.note,
         "settings": runner.settings
@@ -188,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("max_batch: needs a CUDA device (the budget is the CUDA allocator's limit)")
     result = measure(args)
     out = args.out or RESULTS / f"max_batch-{args.scenario}-{args.dtype}-cuda.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     sys.stdout.write(
         f"largest batch in {args.budget_gib} GiB: {result['largest_batch']} (x{result['max_batch_ratio']:.2f}); "
         f"same batch {result['speedup_same_batch']:.2f}x; at the largest batches "

@@ -1,14 +1,23 @@
-"""What a benchmark run records: wall time, peak memory, KV-cache bytes, environment facts."""
+"""What a benchmark run records: wall time, peak memory, KV-cache bytes, environment facts.
+
+The shared harness of ``benchmarks/``: :func:`alternate` times variants in alternating rounds,
+:func:`result_header` / :func:`write_result` start and write the result JSON, :func:`environment`
+records the machine; each benchmark file keeps only what is its own.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +53,56 @@ def rotating_order(names: list[str], rounds: int) -> Iterator[str]:
     caches, allocator state) hits every variant alike."""
     for r in range(rounds):
         yield from names[r % len(names) :] + names[: r % len(names)]
+
+
+def load_average() -> list[float]:
+    """The 1-, 5- and 15-minute load averages: on a shared machine, how far to trust a timing."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+@dataclasses.dataclass
+class Rounds:
+    """What :func:`alternate` measured: each variant's last output, the rest of what ``run`` returned per
+    timed round (in round order), and the load average before the first and after the last timed round."""
+
+    outputs: dict[str, Any]
+    measured: dict[str, list[tuple]]
+    load_average: dict[str, list[float]]
+
+    def column(self, name: str, index: int = 0) -> list:
+        """Measurement ``index`` of every timed round of variant ``name``."""
+        return [m[index] for m in self.measured[name]]
+
+
+def alternate(run: Callable[[str], tuple], names: list[str], rounds: int) -> Rounds:
+    """Times variants the one way this project trusts: one untimed warm-up call each (allocator, lazy
+    imports, calibrations), then ``rounds`` rounds in :func:`rotating_order`, so drift hits all alike.
+
+    ``run(name)`` returns ``(output, *measurements)``.
+    """
+    outputs = {name: run(name)[0] for name in names}
+    measured: dict[str, list[tuple]] = {name: [] for name in names}
+    start = load_average()
+    for name in rotating_order(names, rounds):
+        outputs[name], *rest = run(name)
+        measured[name].append(tuple(rest))
+    return Rounds(outputs, measured, {"start": start, "end": load_average()})
+
+
+def result_header(benchmark: str, argv: list[str] | None) -> dict[str, Any]:
+    """The fields every result JSON starts with: the benchmark, the exact command that wrote it, when."""
+    args = sys.argv[1:] if argv is None else argv
+    return {
+        "benchmark": benchmark,
+        "command": f"python -m benchmarks.{benchmark} " + " ".join(args),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """Writes a result JSON (``benchmarks/results/`` holds the committed ones the docs are generated from)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def _rss_bytes() -> int:

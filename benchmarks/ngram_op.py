@@ -24,7 +24,6 @@ patched entry points as users get them (argument checks and, for HF, the copy of
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 
 import fastgen
+from benchmarks.measure import result_header, write_result
 from fastgen.ops.ngram import available_backends, ban_encoder_ngrams, ban_repeated_ngrams
 
 SHAPES = [
@@ -245,17 +245,13 @@ def device_facts(device: torch.device) -> dict:
 
 def write_report(benchmark: str, argv: list[str] | None, facts: dict, method: str, results: list, out: Path) -> None:
     """The JSON every op micro-benchmark writes: command, date, machine, versions, method, results."""
-    report = {
-        "benchmark": benchmark,
-        "command": f"python -m benchmarks.{benchmark} " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    report = result_header(benchmark, argv) | {
         "machine": facts,
         "versions": versions(),
         "method": method,
         "results": results,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out, report)
 
 
 def versions() -> dict:

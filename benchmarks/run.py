@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import shlex
 import statistics
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 import fastgen
-from benchmarks.measure import environment, timed
+from benchmarks.measure import alternate, environment, timed, write_result
 from benchmarks.scenarios import SCENARIOS, FairseqScenario, Scenario
 
 RESULTS = Path(__file__).parent / "results"
@@ -46,17 +45,11 @@ def run_scenario(
         with scope, torch.inference_mode():
             return timed(call, device)
 
-    samples: dict[str, list[float]] = {"baseline": [], "fastgen": []}
-    peaks: dict[str, list[int]] = {"baseline": [], "fastgen": []}
-    outputs: dict[str, Any] = {}
-    for variant in ("baseline", "fastgen"):  # warm-up: allocator, kernels, lazy patches
-        generate(variant)
-    for r in range(rounds):
-        order = ("baseline", "fastgen") if r % 2 == 0 else ("fastgen", "baseline")
-        for variant in order:
-            outputs[variant], seconds, peak = generate(variant)
-            samples[variant].append(seconds)
-            peaks[variant].append(peak)
+    # warm-up (allocator, kernels, lazy patches), then baseline/fastgen, fastgen/baseline, ... rounds
+    measured = alternate(generate, ["baseline", "fastgen"], rounds)
+    outputs = measured.outputs
+    samples = {variant: measured.column(variant, 0) for variant in outputs}
+    peaks = {variant: measured.column(variant, 1) for variant in outputs}
 
     batch = settings["batch"]
     result: dict[str, Any] = {
@@ -71,6 +64,7 @@ def run_scenario(
             "equal_work": "min_new_tokens == max_new_tokens",
         },
         "identical_outputs": bool(torch.equal(outputs["baseline"].sequences, outputs["fastgen"].sequences)),
+        "load_average": measured.load_average,
     }
     ngram = scenario.generate.get("no_repeat_ngram_size")
     if ngram:  # the property n-gram blocking promises, checked on each variant's generated tokens
@@ -151,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             suffix = "" if features is None else "-" + "-".join(features)
             path = args.out / f"{name}-{device}{suffix}.json"
-            path.write_text(json.dumps(result, indent=2) + "\n")
+            write_result(path, result)
             print(f"  wrote {path}")
     return 0
 

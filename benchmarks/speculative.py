@@ -220,7 +220,7 @@ def verification_cost(target, draft, batches=(1, 8, 16), new=(1, 2, 4, 8), past=
 
 
 def markdown_table(path: Path) -> str:
-    """The README table of one result file: tokens/s, ratio to regular decoding, latency, acceptance."""
+    """The docs table of one result file: tokens/s, ratio to regular decoding, latency, acceptance."""
     report = json.loads(path.read_text())
     lines = [
         "| batch | variant | tok/s | × regular | ms/token first / last / avg | acceptance | = greedy |",

@@ -11,7 +11,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 VPY=$VENV/bin/python
-want_check="import fastgen, transformers, triton, fairseq, pytest, hypothesis"
+want_check="import fastgen, transformers, triton, fairseq, pytest, hypothesis, mkdocs, material, mkdocstrings, build"
 if [ -n "$TRANSFORMERS" ]; then
   want_check="$want_check; from packaging.requirements import Requirement as R; import sys; \
 sys.exit(transformers.__version__ not in R('$TRANSFORMERS').specifier)"

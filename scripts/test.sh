@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up .venv (scripts/setup.sh) and runs what CI runs: ruff, the nvcc compile check, and a version
+# Sets up .venv (scripts/setup.sh) and runs what CI runs: ruff, the nvcc compile check, the strict docs
+# build, the wheel smoke test (scripts/smoke_wheel.sh: sdist + wheel, installed into a fresh venv), and a version
 # matrix: the whole CPU suite on the newest transformers (a fresh .venv resolves the newest release), the
 # fast-path tests on the previous minor release, the skip check on the oldest supported one.
 set -euo pipefail
@@ -8,6 +9,9 @@ bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 bash scripts/check_nvcc.sh
+# The documentation site: broken links, missing pages and unknown generated blocks fail (works offline).
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "${FASTGEN_SITE_DIR:-site}"
+bash scripts/smoke_wheel.sh
 # Triton kernels run under the interpreter on CPU (tests/conftest.py); slow tests stay out of CI.
 .venv/bin/python -m pytest -q -m "not slow" "$@"
 # Previous minor release: every fast path must still run there (-m fast_path asserts it through report()).

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="H-/D-/P- scores byte-identical to fairseq-generate's: turn off fastgen's beam-shared "
         "cross-attention (dedup), whose grouped query-key product rounds differently in the last digits "
-        "(tokens are identical either way; see the README)",
+        "(tokens are identical either way; see docs/guides/cli.md)",
     )
     return parser
 
@@ -79,7 +79,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+# fairseq is not a dependency of the wheel (ve-fairseq must go in with --no-deps, see scripts/setup.sh).
+INSTALL_FAIRSEQ = "pip install 'fastgen[fairseq]' && pip install --no-deps ve-fairseq==0.12.3"
+
+
+def _fairseq_missing() -> str | None:
+    """One line saying what to install when fairseq (or one of its imports) is missing, else None.
+
+    Checked before argparse runs, so even ``--help`` ends in that line instead of a traceback.
+    """
+    try:
+        import fairseq  # noqa: F401
+    except ModuleNotFoundError as exc:
+        return f"fastgen-generate needs fairseq (no module named {exc.name!r}); install it with: {INSTALL_FAIRSEQ}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    missing = _fairseq_missing()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     setup_logging()
     allow_full_checkpoint_loading()
     # Start the worker processes first: their `import fairseq` then overlaps the main process's.

@@ -28,7 +28,9 @@ from fastgen._log import origin
 
 logger = logging.getLogger("fastgen")
 
-_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+# An installed wheel carries the sources as package data (setup.py copies csrc/ there); a checkout has csrc/.
+_PACKAGED_CSRC = Path(__file__).resolve().parents[1] / "_csrc"
+_CSRC = _PACKAGED_CSRC if _PACKAGED_CSRC.is_dir() else Path(__file__).resolve().parents[2] / "csrc"
 
 _lock = threading.Lock()
 _loaded = False

@@ -3,7 +3,7 @@
 Batched speculative decoding leaves the rows of a KV cache with different numbers of valid
 tokens. BASS-PAD (Qian et al. 2024, §3.2) keeps one padded ``(B, Hkv, T, D)`` tensor and gives the
 padded slots zero probability; BASS-SPLIT launches one kernel per row instead. fastgen uses the
-PAD layout (see the README for why) with rows right-aligned (:mod:`fastgen.models.ragged_cache`):
+PAD layout (docs/how-it-works/speculative.md says why) with rows right-aligned (:mod:`fastgen.models.ragged_cache`):
 
 - row ``b`` has valid key/value slots ``[T - lengths[b], T)``;
 - its ``q`` queries are the newest ``q`` of those tokens, so query ``i`` sees slots

@@ -5,7 +5,7 @@ accepted every draft, else shrink by ``ceil(l / mod)`` plus 1 on consecutive shr
 the most drafts any row accepted (nor 1). ``heuristic`` is Transformers' batch-1 rule applied to the
 batch's best row (+2 when all drafts of some row were accepted, else -1). ``constant`` keeps the
 initial length. Settings come from ``generation_config`` attributes (``GenerationConfig`` keeps
-unknown attributes), documented in the README:
+unknown attributes), documented in docs/guides/speculative.md:
 
 - ``fastgen_draft_schedule``: ``"bass"`` | ``"heuristic"`` | ``"constant"``
 - ``fastgen_draft_length``: initial length (default 7 for bass, else the assistant's ``num_assistant_tokens``)
