@@ -39,6 +39,7 @@ import transformers
 import fastgen
 from benchmarks.measure import environment, length_summary, rotating_order, run_heading
 from benchmarks.scenarios import SCENARIOS
+from fastgen.cli import heap
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("continuous", "static-fastgen", "static-upstream")
@@ -52,6 +53,17 @@ SHAPES: dict[str, dict[str, Any]] = {
     "bart-base": _BART_BASE,
     # bart-base's width and vocabulary with half the layers (for a shared CPU)
     "bart-base-3l": dict(_BART_BASE, encoder_layers=3, decoder_layers=3),
+    # a small BART (d=384, 3+3 layers, bart's vocabulary): a step's fixed cost is a larger share (issue 24)
+    "bart-small": dict(
+        _BART_BASE,
+        d_model=384,
+        encoder_attention_heads=6,
+        decoder_attention_heads=6,
+        encoder_ffn_dim=1536,
+        decoder_ffn_dim=1536,
+        encoder_layers=3,
+        decoder_layers=3,
+    ),
 }
 
 
@@ -135,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--heap",
+        choices=("cli", "default"),
+        default="cli",
+        help="cli: malloc thresholds as fastgen-generate-hf sets them (fastgen.cli.heap); default: glibc's",
+    )
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--table", type=Path, nargs="+", default=None, help="print the README table of these results")
     args = parser.parse_args(argv)
@@ -142,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(readme_table(args.table))
         return 0
 
+    heap_set = args.heap == "cli" and heap.keep_freed_memory()
     model = build(args.shape, args.eos_gain, args.seed)
     inputs = make_inputs(args.inputs, args.min_input, args.max_input, args.seed + 1)
     order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))  # the CLI's plan: longest first, stable
@@ -198,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "continuous_batching",
         "command": "python -m benchmarks.continuous_batching " + " ".join(argv if argv is not None else sys.argv[1:]),
         "environment": environment("cpu"),
-        "config": vars(args) | {"output": str(args.output) if args.output else None},
+        "config": vars(args) | {"output": str(args.output) if args.output else None, "heap_thresholds_set": heap_set},
         "load_1min": load,
         "output_lengths": length_summary(lengths),
         "input_lengths": {"min": min(map(len, inputs)), "max": max(map(len, inputs))},

@@ -44,6 +44,7 @@ import transformers
 import fastgen
 from benchmarks.measure import environment, length_summary, rotating_order, run_heading
 from benchmarks.scenarios import SCENARIOS
+from fastgen.cli import heap
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("continuous", "static-fastgen", "static-upstream", "hf-generate-batch")
@@ -150,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--heap",
+        choices=("cli", "default"),
+        default="cli",
+        help="cli: malloc thresholds as fastgen-generate-hf sets them (fastgen.cli.heap); default: glibc's",
+    )
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--table", type=Path, nargs="+", default=None, help="print the README table of these results")
     args = parser.parse_args(argv)
@@ -157,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(readme_table(args.table))
         return 0
 
+    heap_set = args.heap == "cli" and heap.keep_freed_memory()
     model = build(args.shape, args.eos_gain, args.seed)
     inputs = make_inputs(args.inputs, args.min_input, args.max_input, model.config.vocab_size, args.seed + 1)
     ordered = sorted(inputs, key=lambda ids: -len(ids))  # longest first, stable
@@ -207,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.continuous_decoder_only "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "environment": environment("cpu"),
-        "config": vars(args) | {"output": str(args.output) if args.output else None},
+        "config": vars(args) | {"output": str(args.output) if args.output else None, "heap_thresholds_set": heap_set},
         "load_1min": load,
         "output_lengths": length_summary(lengths),
         "input_lengths": {"min": min(map(len, inputs)), "max": max(map(len, inputs))},

@@ -1,5 +1,6 @@
-"""``fastgen-generate-hf`` on continuous batching (the default where it serves the run; ``--no-continuous-batching``
-gives static batches).
+"""``fastgen-generate-hf`` on continuous batching (the default where it serves the run and is expected to be
+faster, :func:`prefers_static`; ``--continuous-batching`` asks for it wherever it serves the run,
+``--no-continuous-batching`` gives static batches).
 
 The plan (windows, length-sorted batches, journal units, data-parallel split) is unchanged: this
 module only replaces *how* a batch's outputs are computed. All of this rank's remaining inputs are fed,
@@ -72,14 +73,60 @@ class ContinuousBatches:
         return out
 
 
-def serves(model: Any, kwargs: dict) -> Settings | None:
-    """The run's settings when continuous batching serves it, else None (logged: static batches, and why)."""
+#: Rows per step (``batch_size x num_beams``) above which an encoder-decoder beam search on more than one
+#: torch thread runs static batches (see :func:`prefers_static`).
+STATIC_BEAM_ROWS = 32
+
+
+def prefers_static(model: Any, settings: Settings, batch_size: int) -> str | None:
+    """Why static batches are expected to be at least as fast for this run (None: continuous batching).
+
+    fastgen's beam loop already drops finished inputs from a static batch, so for beam search both ways
+    compute the same row-steps and refilling saves only steps, i.e. a step's fixed cost (weights streamed,
+    per-op overhead): on this project's CPU worth about 16-20 rows (step time ``a + b x rows``, BART d=384
+    and bart-base). Measured at one thread: 1.03-1.04x static batches at 64 rows (BART d=384), 1.00-1.04x
+    (bart-base), 1.11x at 16 rows (bart-base). With two threads the GEMMs run on both cores and the
+    per-step work around them on one, and at 64 rows continuous batching measured 0.91x (bart-base): so
+    above :data:`STATIC_BEAM_ROWS` rows on more than one thread, static batches. Greedy static batches keep
+    finished rows (refilling saves rows too), and decoder-only beam search was not measured: continuous.
+
+    Only greedy/beam runs are ever switched: their results are the same either way. Sampling seeds per
+    line under continuous batching and per batch in static batches, so its mode is never changed here.
+    """
+    if settings.do_sample or settings.num_beams == 1 or not model.config.is_encoder_decoder:
+        return None
+    if not _beam_loop_drops_finished():
+        return None  # upstream's beam loop keeps finished inputs' rows in a static batch
+    rows, threads = batch_size * settings.num_beams, torch.get_num_threads()
+    if rows <= STATIC_BEAM_ROWS or threads == 1:
+        return None
+    return (
+        f"beam search over {rows} rows per step (> {STATIC_BEAM_ROWS}) on {threads} threads: fastgen's beam loop "
+        "drops finished inputs from static batches, so refilling would save only steps, which are not slower there"
+    )
+
+
+def _beam_loop_drops_finished() -> bool:
+    """Whether static batches run fastgen's own beam loop (feature ``beam``), which drops finished inputs."""
+    from fastgen.continuous.scheduler import _feature_applied
+
+    return _feature_applied("beam")
+
+
+def serves(model: Any, kwargs: dict, batch_size: int = 1, chosen: bool = True) -> Settings | None:
+    """The run's settings when continuous batching serves it and (``chosen``: the CLI's default, not asked for)
+    is expected to be faster, else None (logged: static batches, and why)."""
     try:
         settings, reason = resolve(model, kwargs)
     except (ValueError, TypeError) as exc:  # as generate validates its config (early_stopping='maybe', ...)
         raise rejected(kwargs, exc) from exc
     if reason is not None:
         logger.info("static batches: continuous batching does not serve this run (%s)", reason)
+        return None
+    slower = prefers_static(model, settings, batch_size) if chosen else None
+    if slower is not None:
+        logger.info("static batches: %s (--continuous-batching forces continuous batching)", slower)
+        return None
     return settings
 
 

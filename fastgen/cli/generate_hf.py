@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import fastgen  # noqa: F401 - patches transformers
-from fastgen.cli import distributed
+from fastgen.cli import distributed, heap
 from fastgen.cli.common import (
     OneLineErrorParser,
     UsageError,
@@ -97,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--continuous-batching",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="refill the batch as inputs finish, for the runs it serves (default; see the README); "
-        "--no-continuous-batching: static length-sorted batches, one generate call each",
+        default=None,
+        help="refill the batch as inputs finish, for the runs it serves (default: where it is expected to be "
+        "faster, see fastgen.cli.continuous_hf.prefers_static); --no-continuous-batching: static length-sorted "
+        "batches, one generate call each",
     )
     add_pipeline_args(parser)
     return parser
@@ -228,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--device {device}: not a device ({exc})") from exc
     if kind == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: CUDA is not available here")
+    if kind == "cpu":
+        heap.keep_freed_memory()  # CPU decode steps free and refault big buffers otherwise (fastgen.cli.heap)
     world = distributed.from_environment(device)
     if world.size > 1 and device.startswith("cuda") and args.device is None:
         device = f"cuda:{world.local_rank}"
@@ -309,7 +312,9 @@ def _run(
     }
     from fastgen.cli import continuous_hf  # imports Transformers: not at module import (--help stays fast)
 
-    stream = continuous_hf.serves(model, kwargs) if args.continuous_batching else None
+    stream = None
+    if args.continuous_batching is not False:  # None: the default, chosen per run; True: asked for
+        stream = continuous_hf.serves(model, kwargs, args.batch_size, chosen=args.continuous_batching is None)
     if stream is not None and stream.do_sample:  # only sampling seeds differently (per line, not per batch)
         header["continuous_batching"] = True
 

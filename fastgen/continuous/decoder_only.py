@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from fastgen.continuous.cache import SlotLayer
-from fastgen.continuous.scheduler import _as_ids, _next_seed, linear_scope
+from fastgen.continuous.scheduler import _as_ids, _next_seed, linear_features, linear_scope
 from fastgen.continuous.search import Finished, SearchState
 from fastgen.continuous.settings import Settings, cache_kwarg
 from fastgen.optimizer import registry, report
@@ -159,6 +159,7 @@ def run_decoder_only(
     next_out = 0
     stats = {} if stats is None else stats
     stats.update(steps=0, rows=0, prefills=0)
+    features = linear_features()
     report.note_ran(FEATURE, "continuous batching (decoder-only)")
     checked = False  # the weights' int8/packed copies are checked on the first step only
     while True:
@@ -172,7 +173,7 @@ def run_decoder_only(
             if (ids := _joining(model, settings, item, seed, generate_kwargs, ready)) is not None:
                 newcomers.append((item[0], ids, seed))
         if len(state) or newcomers:
-            with torch.no_grad(), linear_scope(model, check_weights=not checked):  # generate's GEMM forms
+            with torch.no_grad(), linear_scope(model, not checked, features):  # generate's GEMM forms
                 checked = True
                 order, done = _step(model, state, cache, newcomers, stats)
                 _retire(state, cache, order, done, ready)

@@ -1,0 +1,94 @@
+"""The CLI's choice between continuous batching and static batches for a run (issue 24): the rule, not timings."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import fastgen
+from fastgen.cli import continuous_hf
+from fastgen.cli.generate_hf import main
+from fastgen.continuous.settings import resolve
+from tests import harness
+from tests.cli.tiny_files import bart_and_inputs
+
+
+@pytest.fixture(scope="module")
+def bart():
+    return harness.tiny_hf_model("bart")
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def settings(model, **kwargs):
+    resolved, reason = resolve(model, kwargs)
+    assert reason is None
+    return resolved
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "batch_size"),
+    [
+        (dict(num_beams=1, max_new_tokens=5), 64),  # greedy: static batches keep finished rows
+        (dict(do_sample=True, max_new_tokens=5), 64),  # sampling: its seeding depends on the mode
+        (dict(num_beams=4, max_new_tokens=5), 8),  # 32 rows: a step's fixed cost is a large share
+    ],
+)
+def test_continuous_where_it_saves_more_than_steps(bart, two_threads, kwargs, batch_size):
+    assert continuous_hf.prefers_static(bart, settings(bart, **kwargs), batch_size) is None
+
+
+def test_static_for_wide_beam_search_on_several_threads(bart, two_threads):
+    reason = continuous_hf.prefers_static(bart, settings(bart, num_beams=4, max_new_tokens=5), 16)
+    assert reason is not None and "64 rows per step (> 32) on 2 threads" in reason
+
+
+def test_continuous_for_wide_beam_search_on_one_thread(bart):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert continuous_hf.prefers_static(bart, settings(bart, num_beams=4, max_new_tokens=5), 16) is None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_continuous_when_static_batches_would_run_upstreams_beam_loop(bart, two_threads):
+    chosen = settings(bart, num_beams=4, max_new_tokens=5)
+    with fastgen.patched(features=[f for f in fastgen.known_features() if f != "beam"]):
+        assert continuous_hf.prefers_static(bart, chosen, 16) is None
+
+
+def test_decoder_only_keeps_continuous_batching(two_threads):
+    model = harness.tiny_hf_model("gpt2")
+    assert continuous_hf.prefers_static(model, settings(model, num_beams=4, max_new_tokens=5), 16) is None
+
+
+def test_cli_says_which_it_chose_and_the_outputs_agree(tmp_path, capsys, caplog, two_threads):
+    files = bart_and_inputs(tmp_path, sentences=12, max_words=10)
+    args = [str(files["bart"]), "--input", str(files["inputs"]), "--batch-size", "9", "--num-beams", "4"]
+    args += ["--max-new-tokens", "6", "--postprocess-workers", "0", "--no-progress-bar"]
+    outputs = {}
+    for name, extra in (
+        ("default", []),
+        ("forced", ["--continuous-batching"]),
+        ("static", ["--no-continuous-batching"]),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fastgen.cli.generate_hf"):
+            assert main([*args, "--output", str(tmp_path / f"{name}.txt"), *extra]) == 0
+        capsys.readouterr()
+        outputs[name] = (tmp_path / f"{name}.txt").read_text()
+        if name == "default":
+            assert "static batches: beam search over 36 rows per step" in caplog.text
+            assert "continuous batching:" not in caplog.text
+        if name == "forced":
+            assert "continuous batching: 36 decoder rows" in caplog.text
+    assert outputs["default"] == outputs["forced"] == outputs["static"]
