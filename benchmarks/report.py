@@ -245,6 +245,45 @@ def _ctranslate2() -> str:
     return readme_table(RESULTS)
 
 
+def trained() -> str:
+    """Every ``trained_agreement-*.json``: per decoding mode and candidate, agreement, BLEU/chrF and CPU time."""
+    lines = [
+        "| CPU | threads | mode | candidate | sentences = upstream | tokens = upstream | BLEU | chrF "
+        "| process CPU (median) | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(RESULTS.glob("trained_agreement-*.json")):
+        r = json.loads(path.read_text())
+        for mode, entry in r["modes"].items():
+            load = entry["load_average"]
+            for name, c in entry["candidates"].items():
+                lines.append(
+                    f"| {machine(r['environment'])} | {r['threads']} | {mode} | {name} "
+                    f"| {100 * c['vs_upstream']['sequence_match']:.1f}% "
+                    f"| {100 * c['vs_upstream']['token_agreement']:.2f}% "
+                    f"| {c['bleu']:.2f} | {c['chrf']:.2f} | {c['median_cpu_seconds']:.2f} s "
+                    f"| {load['start'][0]:.1f}–{load['end'][0]:.1f} |"
+                )
+    return "\n".join(lines)
+
+
+def trained_model() -> str:
+    """The trained model's held-out scores (``train_small_model-*.json`` through the agreement JSON)."""
+    lines = [
+        "| held-out tokens | cross-entropy (nats) | predictive entropy (nats) | argmax accuracy |",
+        "|---|---|---|---|",
+    ]
+    for path in sorted(RESULTS.glob("trained_agreement-*.json"))[:1]:
+        held = json.loads(path.read_text())["model"]["held_out"]
+        for name, scores in (("all", held), ("masked", held["masked_tokens"]), ("copied", held["copied_tokens"])):
+            lines.append(
+                f"| {name} ({scores['target_tokens']}) | {scores['cross_entropy_nats_per_token']:.2f} "
+                f"| {scores['predictive_entropy_nats_per_token']:.2f} | {100 * scores['argmax_accuracy']:.1f}% |"
+            )
+        lines.append(f"\nA uniform guess over the vocabulary: {held['uniform_entropy_nats']:.2f} nats.")
+    return "\n".join(lines)
+
+
 def features() -> str:
     """The features this build declares and whether each is on by default (``fastgen.known_features()``)."""
     import fastgen
@@ -280,6 +319,8 @@ GENERATED: dict[str, Callable[..., str]] = {
     "ctranslate2": _ctranslate2,
     "features": features,
     "int8": int8,
+    "trained": trained,
+    "trained-model": trained_model,
 }
 _MARKER = re.compile(r"<!-- generated:([\w-]+)(?::([^ ]+))? -->")
 
