@@ -32,6 +32,7 @@ def report() -> str:
         f"compiled extension: {_extension_state()}",
         f"op backends on {device}:",
         *[f"  {line}" for line in _backend_lines(device)],
+        *_cpu_mode_lines(),
         "",
         str(fastgen.status()),
     ]
@@ -75,6 +76,21 @@ def _backend_lines(device: str) -> list[str]:
         states = [f"{b}: {'ok' if reason is None else reason}" for b, reason in backends.items()]
         lines.append(f"{name.rsplit('.', 1)[-1]}: " + "; ".join(states))
     return lines
+
+
+def _cpu_mode_lines() -> list[str]:
+    """The opt-in CPU linear modes' kernels here (fast_gemm: oneDNN; int8: fbgemm or torch._int_mm)."""
+    from fastgen.ops import fast_linear, int8_linear
+
+    isa = [flag for flag in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if flag in int8_linear.cpu_flags()]
+    int8 = int8_linear.unavailable() or (
+        f"{int8_linear.backend()}" + (", 7-bit activations (no VNNI)" if int8_linear.reduce_range() else "")
+    )
+    return [
+        f"CPU instruction sets: {', '.join(isa) or 'unknown'}",
+        f"  fast_gemm (oneDNN packed fp32): {fast_linear.unavailable() or 'ok'}",
+        f"  int8: {int8}",
+    ]
 
 
 if __name__ == "__main__":

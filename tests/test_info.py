@@ -11,6 +11,9 @@ def test_info_reports_every_section():
     assert f"torch {torch.__version__}" in out
     assert "transformers fast paths (tested up to" in out and ": ok" in out
     assert "compiled extension:" in out and "ngram: " in out and "torch: ok" in out
+    from fastgen.ops import int8_linear
+
+    assert "CPU instruction sets: " in out and f"  int8: {int8_linear.backend()}" in out
     # Transformers' targets are imported first, so their patches are resolved, not pending.
     lines = out.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("transformers.")]
