@@ -712,9 +712,9 @@ def run_suite(suite: Suite, args: argparse.Namespace) -> SuiteRun:
     for test_file in files:
         plain_xml, superset = plain_xml_for(suite, test_file, args)
         plain_xmls[test_file] = (plain_xml, superset)
-        if not (args.plain_cache and plain_xml.exists()):
+        if args.run in ("both", "plain") and not (args.plain_cache and plain_xml.exists()):
             jobs.append((test_file, "plain", plain_xml))
-        if not args.plain_only:
+        if args.run in ("both", "fastgen"):
             jobs.append((test_file, "fastgen", xml_path(args.cache_dir, "fastgen", suite, test_file, args.k)))
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(run_file, suite, f, mode, out, args): (f, mode) for f, mode, out in jobs}
@@ -724,12 +724,12 @@ def run_suite(suite: Suite, args: argparse.Namespace) -> SuiteRun:
         plain_xml, superset = plain_xmls[test_file]
         fastgen_xml = xml_path(args.cache_dir, "fastgen", suite, test_file, args.k)
         file_plain = read_results(plain_xml)
-        file_fastgen = file_plain if args.plain_only else read_results(fastgen_xml)
+        file_fastgen = file_plain if args.run == "plain" else read_results(fastgen_xml)
         if superset:
             file_plain = {t: r for t, r in file_plain.items() if t in file_fastgen}
         plain.update(file_plain)
         fastgen.update(file_fastgen)
-        calls[test_file] = None if args.plain_only else read_tally(tally_path(fastgen_xml))
+        calls[test_file] = None if args.run == "plain" else read_tally(tally_path(fastgen_xml))
     return SuiteRun(compare(plain, fastgen), seconds, calls, missing)
 
 
@@ -761,7 +761,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--files", nargs="+", help="test files relative to the suite's tree (one --suite only)")
     parser.add_argument("-k", help="pytest -k expression, and-ed with the built-in deselection")
     parser.add_argument("--plain-cache", action="store_true", help="reuse the plain run's XML where present")
-    parser.add_argument("--plain-only", action="store_true", help="run only the plain side (fills the plain cache)")
+    parser.add_argument(
+        "--run",
+        choices=("both", "plain", "fastgen", "none"),
+        default="both",
+        help="which sides to run (default %(default)s); the others are read from the cache: 'plain' fills the "
+        "plain cache, 'fastgen' and 'none' compare with the cached results (two processes can run the sides at once)",
+    )
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test (pytest-timeout)")
     parser.add_argument("--file-timeout", type=int, default=7200, help="seconds per pytest process")
     parser.add_argument("--jobs", type=int, default=1, help="pytest processes at once")
@@ -794,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_comparison(name, suite_run.comparison))
         if suite_run.missing_files:
             print(f"missing in the assembled tree, not run: {', '.join(suite_run.missing_files)}")
-        if suite_run.calls and not args.plain_only:
+        if suite_run.calls and args.run != "plain":
             print(format_calls(suite_run))
     if args.json:
         summary = {

@@ -173,7 +173,7 @@ def test_tally_counts_each_feature_and_reason_once_per_call_and_adds_up(script):
 
 def test_missing_family_files_are_reported_not_run(script, tmp_path, capsys):
     suite = script.Suite("transformers", tmp_path, ("tests/models/new/test_modeling_new.py",), "", "not x", {})
-    args = argparse.Namespace(cache_dir=tmp_path, plain_cache=False, plain_only=False, k=None, jobs=1)
+    args = argparse.Namespace(cache_dir=tmp_path, plain_cache=False, run="both", k=None, jobs=1)
     run = script.run_suite(suite, args)
     assert run.missing_files == ["tests/models/new/test_modeling_new.py"] and run.calls == {}
     assert run.comparison.plain == dict.fromkeys(script.OUTCOMES, 0)
@@ -208,7 +208,7 @@ def test_fastgen_run_tallies_every_generate_call_per_file(script, tmp_path):
     targets = script.GENERATE_TARGETS["transformers"]
     suite = script.Suite("transformers", tree, ("tests/test_tiny.py",), "", "not nothing", {}, targets)
     args = argparse.Namespace(
-        cache_dir=tmp_path / "cache", plain_cache=False, plain_only=False, k=None, jobs=1, timeout=300, file_timeout=600
+        cache_dir=tmp_path / "cache", plain_cache=False, run="both", k=None, jobs=1, timeout=300, file_timeout=600
     )
     run = script.run_suite(suite, args)
     assert run.comparison.plain == run.comparison.fastgen == {"passed": 1, "failed": 0, "skipped": 0, "error": 0}
