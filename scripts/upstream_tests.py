@@ -698,7 +698,7 @@ def format_calls(run: SuiteRun) -> str:
     lines.append("all files:")
     total = run.total_calls()
     lines.extend(format_tally(total))
-    lines.extend(f"  not counted: {problem}" for problem in total.problems)
+    lines.extend(f"  problem: {problem}" for problem in total.problems)
     return "\n".join(lines)
 
 
@@ -810,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
             "fairseq_tests": f"{args.fairseq_git} {args.fairseq_ref}",
             "k": args.k,
             "plain_cache": args.plain_cache,
+            "run": args.run,
+            "load_average_at_end": os.getloadavg(),
             "suites": {name: suite_run.to_json() for name, suite_run in runs.items()},
         }
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
