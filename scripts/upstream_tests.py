@@ -41,6 +41,7 @@ import inspect
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -482,25 +483,46 @@ def __getattr__(name):
 '''
 
 
-def shim_removed_tester_defaults(git_dir: str, ref: str, tree: Path) -> None:
-    """The tagged ``tests/causal_lm_tester.py`` imports ``_TEXT_MODEL_TESTER_DEFAULTS`` from
-    ``transformers.testing_utils``, which 5.24 removed: fall back to the tagged release's own dict."""
-    tester = tree / "tests/causal_lm_tester.py"
-    name = "_TEXT_MODEL_TESTER_DEFAULTS"
-    if not tester.exists() or f"    {name},\n" not in tester.read_text():
-        return
-    source = run(["git", "-C", git_dir, "show", f"{ref}:src/transformers/testing_utils.py"], stdout=subprocess.PIPE)
-    text = source.stdout.decode()
-    start = text.index(f"{name} = {{")
-    literal = text[start : text.index("\n}\n", start) + 2]
+TESTER_DEFAULTS = "_TEXT_MODEL_TESTER_DEFAULTS"
+# How the tagged testers import it: inside a parenthesised import (causal_lm_tester.py) or on one line
+# (multimodal_tester.py, which gemma3's VLM tests import).
+_TESTER_DEFAULTS_IMPORT = re.compile(
+    rf"^    {TESTER_DEFAULTS},\n|^from transformers\.testing_utils import {TESTER_DEFAULTS}\n", re.MULTILINE
+)
+
+
+def shim_tester_defaults(code: str, literal: str) -> str | None:
+    """``code`` with its import of ``_TEXT_MODEL_TESTER_DEFAULTS`` replaced by a try/except that falls back
+    to ``literal`` (the tagged release's dict), or None if ``code`` does not import it."""
+    anchor = "from .test_configuration_common import ConfigTester\n"
+    if not _TESTER_DEFAULTS_IMPORT.search(code) or anchor not in code:
+        return None
     shim = (
-        f"\ntry:\n    from transformers.testing_utils import {name}\n"
+        f"\ntry:\n    from transformers.testing_utils import {TESTER_DEFAULTS}\n"
         f"except ImportError:  # removed in transformers 5.24 (shim by fastgen's scripts/upstream_tests.py)\n"
         + "".join(f"    {line}\n" for line in literal.splitlines())
     )
-    code = tester.read_text().replace(f"    {name},\n", "", 1)
-    anchor = "from .test_configuration_common import ConfigTester\n"
-    tester.write_text(code.replace(anchor, shim + "\n" + anchor, 1))
+    code = _TESTER_DEFAULTS_IMPORT.sub("", code, count=1)
+    return code.replace(anchor, shim + "\n" + anchor, 1)
+
+
+def shim_removed_tester_defaults(git_dir: str, ref: str, tree: Path) -> None:
+    """The tagged ``tests/*_tester.py`` import ``_TEXT_MODEL_TESTER_DEFAULTS`` from
+    ``transformers.testing_utils``, which 5.24 removed: fall back to the tagged release's own dict."""
+    literal = None
+    for tester in sorted((tree / "tests").glob("*.py")):
+        if not _TESTER_DEFAULTS_IMPORT.search(tester.read_text()):
+            continue
+        if literal is None:
+            source = run(
+                ["git", "-C", git_dir, "show", f"{ref}:src/transformers/testing_utils.py"], stdout=subprocess.PIPE
+            )
+            text = source.stdout.decode()
+            start = text.index(f"{TESTER_DEFAULTS} = {{")
+            literal = text[start : text.index("\n}\n", start) + 2]
+        shimmed = shim_tester_defaults(tester.read_text(), literal)
+        if shimmed is not None:
+            tester.write_text(shimmed)
 
 
 def assemble_transformers(args: argparse.Namespace) -> Path:

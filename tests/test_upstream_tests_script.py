@@ -219,3 +219,20 @@ def test_fastgen_run_tallies_every_generate_call_per_file(script, tmp_path):
     assert tally.problems == []
     assert run.to_json()["generate_calls"]["total"]["calls"] == 3
     assert "  fell back beam: 1" in script.format_calls(run)
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "from transformers.testing_utils import (\n    _TEXT_MODEL_TESTER_DEFAULTS,\n    require_torch,\n)\n",
+        "from transformers.testing_utils import _TEXT_MODEL_TESTER_DEFAULTS\n",  # multimodal_tester.py (gemma3)
+    ],
+)
+def test_removed_tester_defaults_fall_back_to_the_tagged_dict(script, imports):
+    code = f"{imports}\nfrom .test_configuration_common import ConfigTester\n\nx = _TEXT_MODEL_TESTER_DEFAULTS\n"
+    shimmed = script.shim_tester_defaults(code, '_TEXT_MODEL_TESTER_DEFAULTS = {\n    "batch_size": 13,\n}\n')
+    namespace = {}
+    exec(shimmed.replace("from .test_configuration_common import ConfigTester\n", ""), namespace)
+    assert namespace["x"] == {"batch_size": 13}  # this transformers has no such name: the fallback is used
+    assert script.shim_tester_defaults(shimmed, "unused") is None  # applied once
+    assert script.shim_tester_defaults("import os\n", "unused") is None
