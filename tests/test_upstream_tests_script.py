@@ -114,3 +114,125 @@ def test_files_need_a_single_suite(script):
     with pytest.raises(SystemExit):
         script.parse_args(["--files", "tests/test_x.py"])
     assert script.parse_args(["--suite", "fairseq", "--files", "tests/test_x.py"]).files == ["tests/test_x.py"]
+
+
+def test_transformers_files_cover_every_family_fastgen_patches(script):
+    """The families come from fastgen's own tables, not a list kept by hand beside them."""
+    from fastgen.models.decoder_only import PROMPT_SHARING_FAMILIES
+    from fastgen.models.encoder_decoder import CROSS_ATTENTION_FAMILIES
+
+    families = set(CROSS_ATTENTION_FAMILIES) | set(PROMPT_SHARING_FAMILIES)
+    assert set(script.patched_families()) == families and len(families) == 17
+    files = script.transformers_files()
+    model_files = [f for f in files if f.startswith("tests/models/")]
+    assert len(model_files) == len(set(model_files)) == 17
+    assert "tests/models/gemma3/test_modeling_gemma3.py" in model_files  # model_type gemma3_text
+    assert "tests/models/m2m_100/test_modeling_m2m_100.py" in model_files
+    assert files[len(model_files) :] == script.GENERATION_FILES
+    with pytest.raises(ValueError):
+        script.family_test_file("fairseq.models.transformer.TransformerModel")
+
+
+def _report(ran=(), fell_back=(), degraded=(), counts=None):
+    import fastgen
+
+    return fastgen.Report(
+        ran={feature: ["how"] for feature in ran},
+        fell_back=list(fell_back),
+        degraded=list(degraded),
+        counts=counts or {},
+    )
+
+
+def test_tally_counts_each_feature_and_reason_once_per_call_and_adds_up(script):
+    tally = script.CallTally()
+    tally.add(_report(ran=("dedup", "beam", "gemm")))
+    # A reason noted twice in one call counts once; two reasons of one feature count apart.
+    tally.add(_report(ran=("gemm",), fell_back=[("beam", "output_attentions=True")] * 2), raised=True)
+    tally.add(_report(fell_back=[("beam", "constraints"), ("dedup", "model type 'x'")]))
+    tally.add(_report(ran=("speculative",), counts={"speculative": {"proposed": 10, "accepted": 7}}))
+    tally.add(_report(ran=("dedup",), degraded=[("dedup", "eager attention")]))
+    assert (tally.calls, tally.raised, tally.no_fast_path) == (5, 1, 1)
+    assert tally.ran == {"dedup": 2, "beam": 1, "gemm": 2, "speculative": 1}
+    assert tally.fell_back == {"beam": {"output_attentions=True": 1, "constraints": 1}, "dedup": {"model type 'x'": 1}}
+    assert tally.degraded == {"dedup": {"eager attention": 1}}
+    total = script.CallTally.from_json(json.loads(json.dumps(tally.to_json())))
+    assert total == tally
+    total.problems = ["a: pending"]
+    total.merge(tally)
+    assert total.calls == 10 and total.ran["dedup"] == 4 and total.fell_back["beam"]["constraints"] == 2
+    assert total.counted == {"speculative": {"proposed": 20, "accepted": 14}} and total.problems == ["a: pending"]
+    lines = script.format_tally(tally)
+    assert (
+        lines[0]
+        == "  5 generate calls (1 raised); fast path ran: beam 1, dedup 2, gemm 2, speculative 1; no feature ran: 1"
+    )
+    assert "  fell back beam: 2" in lines and "          1  constraints" in lines
+    assert script.read_tally(Path("/nonexistent/calls.json")) is None
+
+
+def test_missing_family_files_are_reported_not_run(script, tmp_path, capsys):
+    suite = script.Suite("transformers", tmp_path, ("tests/models/new/test_modeling_new.py",), "", "not x", {})
+    args = argparse.Namespace(cache_dir=tmp_path, plain_cache=False, run="both", k=None, jobs=1)
+    run = script.run_suite(suite, args)
+    assert run.missing_files == ["tests/models/new/test_modeling_new.py"] and run.calls == {}
+    assert run.comparison.plain == dict.fromkeys(script.OUTCOMES, 0)
+    assert "tests/models/new/test_modeling_new.py is missing in" in capsys.readouterr().out
+
+
+TINY_SUITE = """
+import torch
+import transformers
+
+
+def test_generate():
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+    )
+    model = transformers.BartForConditionalGeneration(config).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 11, 12, 2]])
+    model.generate(ids, num_beams=3, no_repeat_ngram_size=2, max_new_tokens=4)
+    model.generate(ids, num_beams=2, max_new_tokens=4, output_attentions=True, return_dict_in_generate=True)
+    model.generate(ids[:1], max_new_tokens=3)
+"""
+
+
+def test_fastgen_run_tallies_every_generate_call_per_file(script, tmp_path):
+    """A tiny suite through the script: plain and fastgen agree, and the fastgen run's plugin says which
+    calls took which fast path and which fell back, with the reason."""
+    tree = tmp_path / "tree"
+    (tree / "tests").mkdir(parents=True)
+    (tree / "tests/test_tiny.py").write_text(TINY_SUITE)
+    targets = script.GENERATE_TARGETS["transformers"]
+    suite = script.Suite("transformers", tree, ("tests/test_tiny.py",), "", "not nothing", {}, targets)
+    args = argparse.Namespace(
+        cache_dir=tmp_path / "cache", plain_cache=False, run="both", k=None, jobs=1, timeout=300, file_timeout=600
+    )
+    run = script.run_suite(suite, args)
+    assert run.comparison.plain == run.comparison.fastgen == {"passed": 1, "failed": 0, "skipped": 0, "error": 0}
+    tally = run.calls["tests/test_tiny.py"]
+    assert (tally.calls, tally.raised) == (3, 0), script.format_tally(tally)
+    assert tally.ran["dedup"] == 2 and tally.ran["beam"] == 1 and tally.ran["ngram"] == 1
+    assert tally.fell_back == {"beam": {"output_attentions=True": 1}}
+    assert tally.problems == []
+    assert run.to_json()["generate_calls"]["total"]["calls"] == 3
+    assert "  fell back beam: 1" in script.format_calls(run)
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "from transformers.testing_utils import (\n    _TEXT_MODEL_TESTER_DEFAULTS,\n    require_torch,\n)\n",
+        "from transformers.testing_utils import _TEXT_MODEL_TESTER_DEFAULTS\n",  # multimodal_tester.py (gemma3)
+    ],
+)
+def test_removed_tester_defaults_fall_back_to_the_tagged_dict(script, imports):
+    code = f"{imports}\nfrom .test_configuration_common import ConfigTester\n\nx = _TEXT_MODEL_TESTER_DEFAULTS\n"
+    shimmed = script.shim_tester_defaults(code, '_TEXT_MODEL_TESTER_DEFAULTS = {\n    "batch_size": 13,\n}\n')
+    namespace = {}
+    exec(shimmed.replace("from .test_configuration_common import ConfigTester\n", ""), namespace)
+    assert namespace["x"] == {"batch_size": 13}  # this transformers has no such name: the fallback is used
+    assert script.shim_tester_defaults(shimmed, "unused") is None  # applied once
+    assert script.shim_tester_defaults("import os\n", "unused") is None
