@@ -91,13 +91,14 @@ def module_problem(module: torch.nn.Module) -> str | None:
 
 
 def runs_packed(weight: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether a call may take the packed path (not traced, CPU fp32, no autograd, 2+ dims)."""
+    """Whether a call may take the packed path (not traced, CPU fp32, no autograd, 2+ dims, not empty)."""
     return not (
         torch.compiler.is_compiling()
         or x.device.type != "cpu"
         or x.dtype != torch.float32
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         or x.dim() < 2
+        or x.numel() == 0
     )
 
 

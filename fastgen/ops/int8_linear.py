@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fastgen.ops.fast_linear import runs_packed
+
 #: ``FASTGEN_INT8_BACKEND=int_mm`` forces the slower exact-reference backend (tests, bisecting).
 BACKEND_ENV = "FASTGEN_INT8_BACKEND"
 
@@ -171,16 +173,9 @@ def prepare(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(weight.detach(), backend())
 
 
-def runs_int8(weight: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether a call may take the int8 path (not traced, CPU fp32, no autograd, 2+ dims, not empty)."""
-    return not (
-        torch.compiler.is_compiling()
-        or x.device.type != "cpu"
-        or x.dtype != torch.float32
-        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        or x.dim() < 2
-        or x.numel() == 0
-    )
+#: Whether a call may take the int8 path: the same calls as the packed fp32 path (not traced, CPU fp32,
+#: no autograd, 2+ dims, not empty).
+runs_int8 = runs_packed
 
 
 def int8_linear(x: torch.Tensor, prepared: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:

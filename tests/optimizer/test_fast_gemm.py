@@ -84,29 +84,6 @@ def test_installs_on_every_linear_during_the_call_only():
     assert not any(fast_gemm.installed(m) or "forward" in m.__dict__ for m in linears)
 
 
-@HF_FAST_GEMM
-def test_other_dtypes_fall_back_with_a_reason():
-    model = harness.tiny_hf_model("bart").double()
-    inputs = harness.tiny_inputs(model, batch=2)
-    with fastgen.unpatched():
-        reference = model.generate(**inputs, max_new_tokens=4, num_beams=2)
-    with fastgen.patched(["fast_gemm"]), fastgen.report() as report:
-        candidate = model.generate(**inputs, max_new_tokens=4, num_beams=2)
-    assert torch.equal(reference, candidate)
-    assert ("fast_gemm", "no CPU float32 nn.Linear modules in the model") in report.fell_back
-
-
-def test_compiled_linear_inside_the_scope_traces_f_linear():
-    model = harness.tiny_hf_model("bart")
-    head = model.get_output_embeddings()
-    x = torch.randn(4, 1, model.config.d_model)
-    with fast_gemm.packed_linears(model), torch.no_grad():
-        explanation = torch._dynamo.explain(head)(x)
-        result = torch.compile(head, backend="eager", fullgraph=True)(x)
-    assert explanation.graph_break_count == 0
-    assert torch.equal(result, F.linear(x, head.weight))
-
-
 @pytest.mark.skipif(not HAS_FAIRSEQ, reason="fairseq is not installed")
 @pytest.mark.parametrize("beam", [1, 4])
 def test_fairseq_generation_runs_packed_and_stays_close(beam):

@@ -1,5 +1,7 @@
 """The opt-in "int8" feature: int8 linears (weights per channel, activations per row).
 
+Also the checks both opt-in linear modes share (int8 and fast_gemm): dtype fallback, compile tracing.
+
 What is asserted: the op's backends compute the documented formula (``int_mm`` bit for bit, ``fbgemm``
 within its activation grid); the feature is off by default, runs on every plain CPU fp32 linear of a
 Transformers or fairseq ``generate`` call and leaves the modules as they were; it stays close to
@@ -151,23 +153,26 @@ def test_with_fast_gemm_on_too_int8_serves():
     assert torch.equal(int8_only, both)
 
 
-@HF_INT8
-def test_other_dtypes_fall_back_with_a_reason():
+@pytest.mark.parametrize("feature", ["int8", "fast_gemm"])
+def test_other_dtypes_fall_back_with_a_reason(feature):
+    if harness.feature_unavailable(feature):
+        pytest.skip(harness.feature_unavailable(feature))
     model = harness.tiny_hf_model("bart").double()
     inputs = harness.tiny_inputs(model, batch=2)
     with fastgen.unpatched():
         reference = model.generate(**inputs, max_new_tokens=4, num_beams=2)
-    with fastgen.patched(["int8"]), fastgen.report() as report:
+    with fastgen.patched([feature]), fastgen.report() as report:
         candidate = model.generate(**inputs, max_new_tokens=4, num_beams=2)
     assert torch.equal(reference, candidate)
-    assert ("int8", "no CPU float32 nn.Linear modules in the model") in report.fell_back
+    assert (feature, "no CPU float32 nn.Linear modules in the model") in report.fell_back
 
 
-def test_compiled_linear_inside_the_scope_traces_f_linear():
+@pytest.mark.parametrize("scope", [linear_modes.int8_linears, linear_modes.packed_linears])
+def test_compiled_linear_inside_the_scope_traces_f_linear(scope):
     model = harness.tiny_hf_model("bart")
     head = model.get_output_embeddings()
     x = torch.randn(4, 1, model.config.d_model)
-    with linear_modes.int8_linears(model), torch.no_grad():
+    with scope(model), torch.no_grad():
         explanation = torch._dynamo.explain(head)(x)
         result = torch.compile(head, backend="eager", fullgraph=True)(x)
     assert explanation.graph_break_count == 0
