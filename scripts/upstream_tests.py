@@ -635,10 +635,14 @@ def xml_path(cache: Path, mode: str, suite: Suite, test_file: str, user_k: str |
 def run_file(suite: Suite, test_file: str, mode: str, out: Path, args: argparse.Namespace) -> float:
     """One pytest process per file and mode, so one crash or hang costs one file. Returns seconds."""
     keyword = keyword_expression(suite, args.k)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-n", "0"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    if importlib.util.find_spec("xdist") is not None:  # the suites' own addopts may ask for it; one process
+        cmd += ["-n", "0"]
     if mode == "fastgen":
         cmd += ["-p", "fastgen", "-p", PLUGIN]
-    cmd += [f"--timeout={args.timeout}", f"--junitxml={out}", "-k", keyword]
+    if importlib.util.find_spec("pytest_timeout") is not None:  # installed with the suites' extras
+        cmd.append(f"--timeout={args.timeout}")
+    cmd += [f"--junitxml={out}", "-k", keyword]
     if suite.markers:
         cmd += ["-m", suite.markers]
     cmd.append(test_file)
