@@ -32,7 +32,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fastgen.ops.fast_linear import runs_packed
 
@@ -187,10 +186,3 @@ def int8_linear(x: torch.Tensor, prepared: Int8Weight, bias: torch.Tensor | None
     if bias is not None:
         y.add_(bias)
     return y.reshape(*x.shape[:-1], prepared.out_features)
-
-
-def linear_or_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: Any) -> torch.Tensor:
-    """``int8_linear`` where :func:`runs_int8` allows, else upstream's ``F.linear``."""
-    if not runs_int8(weight, x):
-        return F.linear(x, weight, bias)
-    return int8_linear(x, prepared(), bias)

@@ -65,7 +65,7 @@ def _int8_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _packed_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not fast_linear.runs_packed(module.weight, x) or not _entered_here(module):
         return type(module).forward(module, x)
-    return fast_linear.packed_linear(module, x)
+    return fast_linear.faster_form(module, x)
 
 
 def int8_bytes() -> int:
