@@ -37,12 +37,13 @@ import torch
 import transformers
 
 import fastgen
-from benchmarks.measure import environment, length_summary, rotating_order, run_heading
+from benchmarks.measure import environment, length_summary, rotating_order, run_heading, synchronize
 from benchmarks.scenarios import SCENARIOS
 from fastgen.cli import heap
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("continuous", "static-fastgen", "static-upstream")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 #: the scenarios' bart-base shape, dropout off (the model is built in eval mode anyway) and an untied
 #: LM head, so the EOS gain in :func:`build` scales only the output row
@@ -67,13 +68,13 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def build(shape: str, eos_gain: float, seed: int) -> Any:
+def build(shape: str, eos_gain: float, seed: int, device: str = "cpu", dtype: str = "fp32") -> Any:
     torch.manual_seed(seed)
     model = transformers.BartForConditionalGeneration(transformers.BartConfig(**SHAPES[shape])).eval()
     with torch.no_grad():
         model.lm_head.weight[2] *= eos_gain
     model.generation_config.pad_token_id = 1
-    return model
+    return model.to(device=device, dtype=DTYPES[dtype])
 
 
 def make_inputs(count: int, low: int, high: int, seed: int) -> list[torch.Tensor]:
@@ -123,6 +124,7 @@ def run_variant(name: str, model: Any, ordered: list[torch.Tensor], args: argpar
         mask = torch.zeros_like(batch)
         for row, ids in enumerate(chunk):
             batch[row, : len(ids)], mask[row, : len(ids)] = ids, 1
+        batch, mask = batch.to(model.device), mask.to(model.device)
         with torch.inference_mode():
             if name == "static-upstream":
                 with fastgen.unpatched():
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument(
         "--heap",
         choices=("cli", "default"),
@@ -161,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     heap_set = args.heap == "cli" and heap.keep_freed_memory()
-    model = build(args.shape, args.eos_gain, args.seed)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but no CUDA device is available")
+    model = build(args.shape, args.eos_gain, args.seed, args.device, args.dtype)
     inputs = make_inputs(args.inputs, args.min_input, args.max_input, args.seed + 1)
     order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))  # the CLI's plan: longest first, stable
     ordered = [inputs[i] for i in order]
@@ -176,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         counter = RowCounter(model)
         start, cpu_start = time.perf_counter(), time.process_time()
         result = run_variant(name, model, ordered, args)
+        synchronize(args.device)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         counter.close()
         tokens = sum(generated_tokens(seq, 1, 2) for seq in result)
@@ -216,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "continuous_batching",
         "command": "python -m benchmarks.continuous_batching " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "environment": environment("cpu"),
+        "environment": environment(args.device),
         "config": vars(args) | {"output": str(args.output) if args.output else None, "heap_thresholds_set": heap_set},
         "load_1min": load,
         "output_lengths": length_summary(lengths),

@@ -144,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_save:
             args.out.mkdir(parents=True, exist_ok=True)
             suffix = "" if features is None else "-" + "-".join(features)
-            path = args.out / f"{name}-{device}{suffix}.json"
+            # on a GPU both precisions are measured: the file name says which
+            precision = f"-{dtype}" if device == "cuda" else ""
+            path = args.out / f"{name}-{device}{precision}{suffix}.json"
             write_result(path, result)
             print(f"  wrote {path}")
     return 0

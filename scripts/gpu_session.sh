@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One GPU lease, two calls (issue 26): each part runs its steps in priority order under one deadline,
+# every step capped, so a hang or a failure costs only its own share. Run through the device tool:
+#   carry .whl (transformers wheel + its missing needs) and .specpair (benchmarks.spec_pair's cached pair)
+#   bash scripts/gpu_session.sh 1 420   # part 1: tests, bart-large fp16, profile, continuous, speculative, n-gram op
+#   bash scripts/gpu_session.sh 2 260   # part 2: max batch, bart-large fp32, op benchmarks, more scenarios
+# What comes back: $OUT/part<N>.log and $OUT/results-part<N>.tar.gz (JSON results).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-1}
+deadline=$((SECONDS + ${2:-420}))
+OUT=${OUT:-/tmp/fastgen-gpu}
+results=$OUT/results
+mkdir -p "$results"
+log=$OUT/part$part.log
+exec > >(tee "$log") 2>&1
+
+if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+[ -d .specpair ] && export FASTGEN_SPEC_PAIR=$PWD/.specpair
+unset TRITON_INTERPRET
+
+# step CAP_SECONDS NAME COMMAND...: runs COMMAND under min(CAP, time left), logs its status and time
+step() {
+  local cap=$1 name=$2
+  shift 2
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 15 ]; then
+    echo "=== $name: SKIPPED (deadline)"
+    return
+  fi
+  [ "$cap" -gt "$left" ] && cap=$left
+  echo "=== $name (cap ${cap}s) $(date +%T)"
+  local start=$SECONDS
+  timeout -k 5 "$cap" "$@"
+  echo "=== $name: rc $? in $((SECONDS - start))s"
+}
+
+if [ "$part" = 1 ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, transformers.__file__, 'triton', triton.__version__)"
+  step 60 info python3 -m fastgen.info
+  step 170 gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 90 -rfE \
+    tests/test_gpu_generation.py tests/ops/test_ngram.py tests/ops/test_beam_topk.py tests/ops/test_attention_triton.py \
+    tests/ops/test_ragged_attention.py tests/optimizer/test_ngram_patches.py  # (tests/cli needs fairseq, absent there)
+  step 100 bart-large-fp16 python3 -m benchmarks.run --scenario bart-large --device cuda --dtype fp16 --rounds 2 --out "$results"
+  step 70 profile-bart-large-fp16 python3 -m benchmarks.step_profile --scenario bart-large --device cuda --dtype fp16 \
+    --new-tokens 32 --repeats 2 --out "$results"
+  step 120 continuous-fp16 python3 -m benchmarks.continuous_batching --device cuda --dtype fp16 --shape bart-base \
+    --inputs 256 --min-input 16 --max-input 512 --beams 4 --batch-size 32 --max-new-tokens 128 --no-repeat-ngram-size 3 \
+    --output "$results/continuous_batching-bart-base-b4-bs32-cuda-fp16.json"
+  step 60 speculative python3 -m benchmarks.speculative --device cuda --batches 1 8 --rounds 2 --out "$results"
+  step 30 ngram-op python3 -m benchmarks.ngram_op --device cuda --threads 1 --slow-repeats 2 --out "$results/ngram_op-cuda.json"
+else
+  step 130 max-batch-fp16 python3 -m benchmarks.max_batch --scenario bart-large --budget-gib 8 --dtype fp16 \
+    --granularity 16 --rounds 1 --out "$results/max_batch-bart-large-fp16-8gib-cuda.json"
+  step 80 bart-large-fp32 python3 -m benchmarks.run --scenario bart-large --device cuda --dtype fp32 --rounds 1 \
+    --batch 16 --out "$results"
+  step 20 beam-topk-op python3 -m benchmarks.beam_topk_op --device cuda --out "$results/beam_topk_op-cuda.json"
+  step 20 attention-op python3 -m benchmarks.attention_op --device cuda --out "$results"
+  step 20 ragged-compile python3 -m tests.ops.ragged_attention_compile_check
+  step 60 gpt2-fp16 python3 -m benchmarks.run --scenario gpt2 --device cuda --dtype fp16 --rounds 2 --out "$results"
+fi
+tar -czf "$OUT/results-part$part.tar.gz" -C "$OUT" results && rm -rf "$results"
+echo "=== part $part done in ${SECONDS}s"
