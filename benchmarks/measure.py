@@ -218,6 +218,8 @@ def _cpu_name() -> str:
 
 
 def _git_commit() -> str | None:
+    if os.environ.get("FASTGEN_GIT_COMMIT"):  # a copy of the tree without .git (a lent GPU machine)
+        return os.environ["FASTGEN_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         # Result files a benchmark run writes itself do not make the measured code dirty.
