@@ -73,9 +73,11 @@ def _scope(variant: str):
 class Runner:
     """Builds the scenario's model once and runs its ``generate`` call at any batch, under the budget."""
 
-    def __init__(self, scenario: Scenario, dtype: torch.dtype, budget_bytes: int) -> None:
+    def __init__(self, scenario: Scenario, dtype: torch.dtype, budget_bytes: int, sequences_only: bool = False) -> None:
         self.scenario, self.settings = scenario, scenario.settings("cuda")
         self.model, _, self.kwargs = scenario.build("cuda", dtype, self.settings | {"batch": 1})
+        if sequences_only:  # the common call: no output object, so no returned cache in upstream's layout
+            self.kwargs["return_dict_in_generate"] = False
         total = torch.cuda.get_device_properties(0).total_memory
         if budget_bytes > total:
             raise SystemExit(f"max_batch: the budget ({budget_bytes / 2**30:.1f} GiB) exceeds the GPU's memory")
@@ -93,7 +95,8 @@ class Runner:
             out = self.model.generate(**inputs, **self.kwargs)
             synchronize("cuda")
             seconds = time.perf_counter() - start
-        return out.sequences, seconds, torch.cuda.max_memory_allocated()
+        sequences = out.sequences if self.kwargs.get("return_dict_in_generate") else out
+        return sequences, seconds, torch.cuda.max_memory_allocated()
 
     def fits(self, variant: str, batch: int) -> bool:
         try:
@@ -116,7 +119,7 @@ class Runner:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     scenario = SCENARIOS[args.scenario]
     budget = int(args.budget_gib * 2**30)
-    with Runner(scenario, DTYPES[args.dtype], budget) as runner:
+    with Runner(scenario, DTYPES[args.dtype], budget, args.sequences_only) as runner:
         runner.call("upstream", 1)  # warm-up (kernels, lazy patches) before any probe
         runner.call("fastgen", 1)
         largest = {
@@ -152,7 +155,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "scenario": scenario.name,
         "note": scenario.note,
         "settings": runner.settings
-        | {"dtype": args.dtype, "generate": scenario.generate, "budget_gib": args.budget_gib},
+        | {
+            "dtype": args.dtype,
+            "generate": scenario.generate,
+            "budget_gib": args.budget_gib,
+            "return_dict_in_generate": not args.sequences_only,
+        },
         "environment": environment("cuda"),
         "largest_batch": largest,
         "max_batch_ratio": largest["fastgen"] / largest["upstream"],
@@ -178,6 +186,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, default=1024)
     parser.add_argument("--granularity", type=int, default=8, help="stop bisecting when this close")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--sequences-only",
+        action="store_true",
+        help="generate returns the sequences alone (return_dict_in_generate=False): with an output object, "
+        "fastgen hands back the cache in upstream's per-beam layout, which costs upstream's cross K/V at the end",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

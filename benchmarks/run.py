@@ -64,6 +64,7 @@ def run_scenario(
             "equal_work": "min_new_tokens == max_new_tokens",
         },
         "identical_outputs": bool(torch.equal(outputs["baseline"].sequences, outputs["fastgen"].sequences)),
+        "identical_rows": _identical_rows(outputs["baseline"].sequences, outputs["fastgen"].sequences),
         "load_average": measured.load_average,
     }
     ngram = scenario.generate.get("no_repeat_ngram_size")
@@ -102,6 +103,13 @@ def rows_with_repeated_ngrams(sequences: torch.Tensor, n: int) -> int:
         grams = [tuple(row[i : i + n]) for i in range(len(row) - n + 1)]
         count += len(grams) != len(set(grams))
     return count
+
+
+def _identical_rows(baseline: torch.Tensor, candidate: torch.Tensor) -> str:
+    """How many output rows are token-identical, as "k/n" (half precision may flip a near-tie)."""
+    if baseline.shape != candidate.shape:
+        return f"shapes differ: {tuple(baseline.shape)} vs {tuple(candidate.shape)}"
+    return f"{int((baseline == candidate).all(-1).sum())}/{baseline.shape[0]}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +179,8 @@ def _print(r: dict) -> None:
     )
     if "returned_cache_fold_s" in f:
         print(f"  fastgen's returned cache folded to upstream's layout in {f['returned_cache_fold_s'] * 1e3:.1f} ms")
-    print(f"  speedup {r['speedup']:.2f}x, identical outputs: {r['identical_outputs']}")
+    rows = r.get("identical_rows")
+    print(f"  speedup {r['speedup']:.2f}x, identical outputs: {r['identical_outputs']} (rows {rows})")
     if "rows_with_repeated_ngrams" in r:
         rep = r["rows_with_repeated_ngrams"]
         print(f"  rows repeating an n-gram: upstream {rep['baseline']}, fastgen {rep['fastgen']} (of {s['batch']})")

@@ -97,7 +97,7 @@ def run_batch(
     target, draft, prompts: list[list[int]], new_tokens: int, lookup: int, limits: list[int] = (), sample: bool = False
 ) -> dict[str, dict]:
     """One timed run of every variant on one batch: {variant: {seconds, sequences, finished, stats}}."""
-    inputs = _batch(prompts)
+    inputs = {k: v.to(target.device) for k, v in _batch(prompts).items()}
     width = inputs["input_ids"].shape[1]
     greedy = dict(do_sample=sample, max_new_tokens=new_tokens, eos_token_id=spec_pair.EOS, pad_token_id=spec_pair.PAD)
     if sample:
@@ -138,7 +138,8 @@ def run_batch(
         start, rows, finished = time.perf_counter(), [], []
         with fastgen.unpatched():
             for p in prompts:
-                seq = target.generate(input_ids=torch.tensor([p]), assistant_model=draft, **greedy)
+                ids = torch.tensor([p], device=target.device)
+                seq = target.generate(input_ids=ids, assistant_model=draft, **greedy)
                 rows.append(_new_tokens(seq[0], len(p)))
                 finished.append(time.perf_counter() - start)
         return {"rows": rows, "finished": finished}

@@ -4,6 +4,7 @@
 #   carry .whl (transformers wheel + its missing needs) and .specpair (benchmarks.spec_pair's cached pair)
 #   bash scripts/gpu_session.sh 1 420   # part 1: tests, bart-large fp16, profile, continuous, speculative, n-gram op
 #   bash scripts/gpu_session.sh 2 260   # part 2: max batch, bart-large fp32, op benchmarks, more scenarios
+#   bash scripts/gpu_session.sh 3 255   # part 3: fixes from parts 1-2 checked, warm vs cold continuous batching
 # What comes back: $OUT/part<N>.log and $OUT/results-part<N>.tar.gz (JSON results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +55,15 @@ if [ "$part" = 1 ]; then
     --output "$results/continuous_batching-bart-base-b4-bs32-cuda-fp16.json"
   step 60 speculative python3 -m benchmarks.speculative --device cuda --batches 1 8 --rounds 2 --out "$results"
   step 30 ngram-op python3 -m benchmarks.ngram_op --device cuda --threads 1 --slow-repeats 2 --out "$results/ngram_op-cuda.json"
+elif [ "$part" = 3 ]; then  # after the first two: fixes checked, warm vs cold, the common call's memory
+  export FASTGEN_JIT=0  # no extension build (40 s of a short lease): n-gram blocking runs its Triton kernel
+  step 45 gpu-generation-tests python3 -m pytest -q -p no:cacheprovider --timeout 40 -rfE tests/test_gpu_generation.py
+  step 50 speculative python3 -m benchmarks.speculative --device cuda --batches 1 8 --rounds 2 --out "$results"
+  step 80 continuous-fp16-2rounds python3 -m benchmarks.continuous_batching --device cuda --dtype fp16 \
+    --shape bart-base --inputs 128 --min-input 16 --max-input 512 --beams 4 --batch-size 32 --max-new-tokens 128 \
+    --no-repeat-ngram-size 3 --rounds 2 --output "$results/continuous_batching-bart-base-b4-bs32-128in-2rounds-cuda-fp16.json"
+  step 75 max-batch-fp16-sequences python3 -m benchmarks.max_batch --scenario bart-large --budget-gib 8 --dtype fp16 \
+    --granularity 16 --rounds 1 --sequences-only --out "$results/max_batch-bart-large-fp16-8gib-sequences-cuda.json"
 else
   step 130 max-batch-fp16 python3 -m benchmarks.max_batch --scenario bart-large --budget-gib 8 --dtype fp16 \
     --granularity 16 --rounds 1 --out "$results/max_batch-bart-large-fp16-8gib-cuda.json"

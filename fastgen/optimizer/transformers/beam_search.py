@@ -315,6 +315,15 @@ def _drop_inputs(model_kwargs: dict[str, Any], keep: torch.Tensor, batch: int, b
                 getattr(cache, INPUT_SELECT)(keep, beams)
 
 
+def other_device_reason(input_ids: torch.Tensor, model: Any) -> str | None:
+    """Upstream (5.24) lets the inputs stay on another device than the model and moves each step's
+    model inputs; fastgen's loops keep every tensor on one device, so such a call runs upstream's."""
+    device = getattr(model, "device", None)
+    if device is None or device.type == "meta" or input_ids.device == device:
+        return None
+    return f"input_ids on {input_ids.device}, model on {device}"
+
+
 def make_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
     def beam_search(
         self,
@@ -328,6 +337,8 @@ def make_beam_search(original: Callable[..., Any]) -> Callable[..., Any]:
         head = self.get_output_embeddings() if hasattr(self, "get_output_embeddings") else None
         vocab = getattr(head, "out_features", None)
         reason = unsupported_reason(generation_config, logits_processor, stopping_criteria, synced_gpus, vocab)
+        if reason is None:
+            reason = other_device_reason(input_ids, self)
         if reason is not None:
             fallback(FEATURE, reason)
             return original(

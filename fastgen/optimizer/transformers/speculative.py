@@ -36,6 +36,7 @@ from fastgen.ops.speculation import (
 )
 from fastgen.optimizer.registry import fallback
 from fastgen.optimizer.transformers import speculative_stats
+from fastgen.optimizer.transformers.beam_search import other_device_reason
 from fastgen.optimizer.transformers.contract import CACHE
 from fastgen.optimizer.transformers.draft_length import DraftLength, check_options
 
@@ -94,7 +95,9 @@ def make_assisted_decoding(original):
         check_options(generation_config)  # fastgen's own options: a bad value is an error, at any batch size
         if input_ids.dim() != 2 or input_ids.shape[0] <= 1:
             return original(*args, **kwargs)  # batch 1 is upstream's supported case: leave it alone
-        problem = call_problem(self, generation_config, logits_processor, stopping_criteria, kwargs)
+        problem = other_device_reason(input_ids, self) or call_problem(
+            self, generation_config, logits_processor, stopping_criteria, kwargs
+        )
         if problem:
             fallback(FEATURE, f"batched assisted decoding: {problem}")
             return original(*args, **kwargs)
