@@ -156,6 +156,28 @@ def test_decoder_only_prefill_that_cannot_share_runs_on_upstreams_cache(monkeypa
     assert [type(cache) for cache in caches] == [DynamicCache, DynamicCache]  # upstream's run, then fastgen's
 
 
+def test_decoder_only_prompt_sharing_is_off_on_gpus_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured 0.54x upstream on an H200 (issue 26): on a GPU the call keeps upstream's cache, one warning."""
+    from fastgen.optimizer.transformers import prompt_dedup
+
+    monkeypatch.delenv(prompt_dedup.GPU_SWITCH, raising=False)
+    assert prompt_dedup.gpu_problem(torch.device("cpu")) is None
+    reason = prompt_dedup.gpu_problem(torch.device("cuda"))
+    assert reason is not None and prompt_dedup.GPU_SWITCH in reason
+    monkeypatch.setenv(prompt_dedup.GPU_SWITCH, "1")
+    assert prompt_dedup.gpu_problem(torch.device("cuda")) is None
+    # the call itself (a CPU model standing in for a GPU one): upstream's cache, upstream's output
+    monkeypatch.setattr(prompt_dedup, "gpu_problem", lambda device: "prompt sharing on cuda (test)")
+    model = harness.tiny_hf_model("gpt2")
+    inputs = harness.tiny_inputs(model, batch=2)
+    with harness.recorded_caches(model) as caches:
+        _, _, report = harness.assert_same_generation(
+            model, inputs, features=["dedup"], max_new_tokens=4, num_beams=3, with_report=True
+        )
+    assert report.fell_back == [("dedup", "prompt sharing on cuda (test)")]
+    assert [type(cache) for cache in caches] == [DynamicCache, DynamicCache]
+
+
 # ---------------------------------------------------------------------------- the returned cache (item 4)
 
 

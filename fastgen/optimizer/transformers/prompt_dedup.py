@@ -28,6 +28,7 @@ rounding as well. Tokens are identical in every tested case; scores agree to ~1e
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -58,12 +59,27 @@ def _attention_hook_installed() -> bool:
     return bool(getattr(AttentionInterface.get_interface, "__fastgen_patched__", False))
 
 
+#: Set to 1 to share decoder-only prompts on a GPU too (to measure it there; see :func:`gpu_problem`).
+GPU_SWITCH = "FASTGEN_GPU_PROMPT_SHARING"
+
+
+def gpu_problem(device: torch.device) -> str | None:
+    """Decoder-only prompt sharing stays off on GPUs unless switched on: its decode-step attention (prefix
+    and suffix attended apart, then merged) adds kernel launches to a step that is bound by launches on the
+    GPU, and it measured 0.54x upstream there (gpt2 shape, beam 4, fp16, H200:
+    ``benchmarks/results/gpt2-cuda-fp16.json``). On CPUs the shared prompt pays (2.6-4.9x)."""
+    if device.type == "cpu" or os.environ.get(GPU_SWITCH, "").strip() == "1":
+        return None
+    return f"prompt sharing on {device.type} (measured slower than upstream on a GPU; {GPU_SWITCH}=1 turns it on)"
+
+
 def _shared_prompt_call_problem(
     model: Any, generation_config: Any, model_kwargs: dict[str, Any], generation_mode: Any
 ) -> str | None:
     """Why this call keeps upstream's per-hypothesis prompt cache, or None. Asked before the cache exists."""
     problem = (
-        shared_prompt_problem(model)
+        gpu_problem(model.device)
+        or shared_prompt_problem(model)
         or model_problem(model)
         or cache_problem(generation_config, model_kwargs, generation_mode)
     )
