@@ -20,7 +20,7 @@ scenarios=("$@")
 } 2>&1 | tee "$OUT/info.txt"
 # What comes back: info.txt, gpu.log and results.tar.gz (the device tool brings back at most 8 files).
 {
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests
+  python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/cli tests  # tests/cli imports fairseq
   python3 -m benchmarks.ngram_op --device cuda --out "$OUT/results/ngram_op-cuda.json"
   python3 -m benchmarks.attention_op --device cuda --out "$OUT/results"
   python3 -m benchmarks.beam_topk_op --device cuda --out "$OUT/results/beam_topk_op-cuda.json"
