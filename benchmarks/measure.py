@@ -288,4 +288,3 @@ def triton_compilations() -> dict[str, int] | None:
                 total += len(first) if hasattr(first, "__len__") else 0
             counts[f"{module_name.rsplit('.', 1)[-1]}.{name}"] = total
     return counts
-

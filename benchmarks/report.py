@@ -3,7 +3,7 @@
 python -m benchmarks.report          # rewrite the headline table between the README markers
 
 The documentation site fills its ``<!-- generated:NAME -->`` markers through :func:`fill_generated`
-(``docs/hooks.py`` calls it while MkDocs builds), so no measured number there is typed by hand.
+(``scripts/mkdocs_hooks.py`` calls it while MkDocs builds), so no measured number there is typed by hand.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def _environment(r: dict) -> dict:
     if "environment" in r:  # some benchmarks record the ISA beside it (ctranslate2_compare: cpu_isa)
         return r["environment"] | {key: r[key] for key in ISA_KEYS if key in r}
     m = r.get("machine", {})
-    return {**m, "device": m.get("cpu", m.get("device", "?")), "torch_threads": m.get("torch_default_threads")}
+    device = m.get("gpu") if m.get("device") == "cuda" else m.get("cpu", m.get("device", "?"))
+    return {**m, "device": device or "?", "torch_threads": m.get("torch_default_threads")}
 
 
 def _cache_ratio(r: dict) -> str:
@@ -174,10 +175,11 @@ def _by_machine(paths: list[Path]) -> dict[str, list[tuple[Path, dict]]]:
     return groups
 
 
-def tables_by_machine() -> str:
-    """The headline table once per device and CPU kind."""
+def tables_by_machine(gpu_only: bool = False) -> str:
+    """The headline table once per device and CPU kind (``gpu_only``: the ``*-cuda*`` results alone)."""
     parts = []
-    for name, results in _by_machine(sorted(RESULTS.glob("*.json"))).items():
+    paths = sorted(p for p in RESULTS.glob("*.json") if not gpu_only or "-cuda" in p.name)
+    for name, results in _by_machine(paths).items():
         body = table([r for _, r in results])
         if body.count("\n") > 1:  # more than the header: some generation scenario ran there
             parts.append(f"### {name}\n\n{body}")
@@ -230,7 +232,8 @@ def _continuous(kind: str) -> str:
     else:
         from benchmarks.continuous_decoder_only import readme_table
     prefix = "continuous_batching-" if kind == "encoder-decoder" else "continuous_decoder_only-"
-    return readme_table(sorted(RESULTS.glob(f"{prefix}*.json")))
+    # GPU results have their own table (cold and warm passes): docs/benchmarks/gpu.md, continuous_gpu()
+    return readme_table(sorted(p for p in RESULTS.glob(f"{prefix}*.json") if "-cuda" not in p.name))
 
 
 def _cli_pipeline() -> str:
@@ -243,6 +246,171 @@ def _ctranslate2() -> str:
     from benchmarks.ctranslate2_compare import readme_table
 
     return readme_table(RESULTS)
+
+
+def gpu_files(prefix: str) -> list[Path]:
+    """The committed GPU results of one benchmark: ``<prefix>-*.json`` with ``-cuda`` in the name."""
+    return sorted(p for p in RESULTS.glob(f"{prefix}-*.json") if "-cuda" in p.name)
+
+
+def _commit(r: dict) -> str:
+    return str(_environment(r).get("git_commit") or "?")
+
+
+def _first_failure(probes: dict, largest: int) -> str:
+    """The smallest probed batch above ``largest`` that did not fit: the bound on the true maximum."""
+    failed = sorted(int(batch) for batch, fits in probes.items() if not fits and int(batch) > largest)
+    return f"{failed[0]} fails" if failed else "no larger probe"
+
+
+def max_batch() -> str:
+    """``max_batch-*-cuda*.json``: the largest batch in a memory budget, upstream vs fastgen, and samples/s there."""
+    lines = [
+        "| device | scenario | budget | dtype | output | upstream: largest batch (bound) "
+        "| fastgen: largest batch (bound) | samples/s at those batches: upstream / fastgen (ratio) "
+        "| same-batch speedup | identical at upstream's batch | commit |",
+        "|---" * 11 + "|",
+    ]
+    for path in gpu_files("max_batch"):
+        r = json.loads(path.read_text())
+        s, largest, probes, timing = r["settings"], r["largest_batch"], r["probes"], r["timing"]
+        dict_out = s.get("return_dict_in_generate", True)
+        output = "`return_dict_in_generate=True`" if dict_out else "sequences only"
+        up, fg = timing["upstream@upstream"], timing["fastgen@fastgen"]
+        lines.append(
+            f"| {machine(_environment(r))} | {r['scenario']} {s['input_len']}→{s['new_tokens']}, "
+            f"beam {s['generate']['num_beams']} | {s['budget_gib']:g} GiB | {s['dtype']} | {output} "
+            f"| {largest['upstream']} ({_first_failure(probes['upstream'], largest['upstream'])}) "
+            f"| {largest['fastgen']} ({_first_failure(probes['fastgen'], largest['fastgen'])}) "
+            f"| {up['samples_per_s']:.1f} / {fg['samples_per_s']:.1f} "
+            f"(**{r['throughput_ratio_at_largest_batches']:.2f}×**) | {r['speedup_same_batch']:.2f}× "
+            f"| {'yes' if r['identical_outputs_at_upstream_batch'] else 'NO'} | {_commit(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def _kernel_name(name: str, width: int = 48) -> str:
+    """A kernel's name without ``void``, template arguments and parameters, cut to ``width``."""
+    short = re.split(r"[<(]", name.removeprefix("void "), maxsplit=1)[0]
+    return short if len(short) <= width else short[: width - 1] + "…"
+
+
+def step_profile() -> str:
+    """``step_profile-*-cuda*.json``: where a decode step's time goes, per variant (torch.profiler)."""
+    parts = []
+    for path in gpu_files("step_profile"):
+        r = json.loads(path.read_text())
+        s = r["settings"]
+        search = ", ".join(f"{k} {v}" for k, v in s["generate"].items())
+        lines = [
+            f"**{s['scenario']}** ({s['batch']}×{s['input_len']}→{s['new_tokens']} new tokens, {search}, "
+            f"{s['dtype']}) on {machine(_environment(r))}, commit {_commit(r)}: `{r['command']}`",
+            "",
+            "| variant | s per `generate` call | ms per new token | device busy (share of wall) "
+            "| kernel launches per new token | three largest kinds (device ms) | largest kernel (ms, launches) |",
+            "|---" * 7 + "|",
+        ]
+        for name, p in r["profiles"].items():
+            kinds = ", ".join(f"{kind} {p['by_kind_ms'][kind]:.1f}" for kind in p["three_largest"])
+            top = p["top"][0]
+            lines.append(
+                f"| {name} | {p['generate_s']:.3f} | {p['per_new_token_ms']:.2f} "
+                f"| **{100 * p['busy_share_of_wall']:.0f}%** ({p['busy_ms']:.0f} of {p['profiled_wall_ms']:.0f} ms) "
+                f"| {p['launches_per_new_token']:.0f} | {kinds} "
+                f"| `{_kernel_name(top['name'])}` {top['ms']:.1f} ({top['count']}) |"
+            )
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def continuous_gpu() -> str:
+    """``continuous_batching-*-cuda*.json``: each variant's first (cold) and last (warm) pass over the file."""
+    parts = []
+    for path in gpu_files("continuous_batching"):
+        r = json.loads(path.read_text())
+        c, runs, median = r["config"], r["runs"], r["median"]
+        names = [n for n in c["variants"].split(",") if n in runs]
+        rounds = len(runs[names[0]])
+        lengths, out = r["input_lengths"], r["output_lengths"]
+        lines = [
+            f"**{c['shape']}**, {c['inputs']} inputs of {lengths['min']}–{lengths['max']} tokens, beam {c['beams']}, "
+            f"batch {c['batch_size']} (continuous: {c['batch_size'] * c['beams']} rows), up to {c['max_new_tokens']} "
+            f"new tokens (outputs {out['min']}–{out['max']}, mean {out['mean']:.1f}), {c['dtype']}, {rounds} "
+            f"round{'s' if rounds > 1 else ''} (first round's order: {' → '.join(names)}) on "
+            f"{machine(_environment(r))}, commit {_commit(r)}",
+            "",
+            "| variant | first round s (cold) | last round s (warm) | tokens | decoder steps | rows/step "
+            "| outputs = continuous |",
+            "|---" * 7 + "|",
+        ]
+        for name in names:
+            first, last = runs[name][0], runs[name][-1]
+            warm = f"{last['seconds']:.2f}" if rounds > 1 else "— (one round)"
+            lines.append(
+                f"| {name} | {first['seconds']:.2f} | {warm} | {last['tokens']} | {last['decoder_steps']} "
+                f"| {last['avg_rows_per_step']:.1f} | {median[name].get('outputs_equal_to_continuous', '-')}/"
+                f"{c['inputs']} |"
+            )
+        if "continuous" in runs:
+            ratios = []
+            for other in (n for n in names if n != "continuous"):
+                cold = runs[other][0]["seconds"] / runs["continuous"][0]["seconds"]
+                text = f"continuous vs {other}: cold {cold:.2f}×"
+                if rounds > 1:
+                    text += f", warm **{runs[other][-1]['seconds'] / runs['continuous'][-1]['seconds']:.2f}×**"
+                ratios.append(text)
+            lines += ["", "; ".join(ratios)]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def _ops_ngram(r: dict) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for e in r["results"]:
+        source = f", source {e['source_length']}" if "source_length" in e else ""
+        shape = f"{e['rows']} hypotheses × {e['length']} tokens{source}, vocab {e['vocab']}, n {e['n']}"
+        times = ", ".join(f"{k} {v:.3f}" for k, v in e["median_ms"].items())
+        speed = (
+            f"op {e['speedup_vs_hf']:g}×, op + copy {e['speedup_vs_hf_with_clone']:g}×, "
+            f"patched processor {e['speedup_of_patched_processor']:g}× (vs `hf_processor`)"
+        )
+        rows.append((f"n-gram blocking ({e['variant']})", shape, times + " ms", speed))
+    return rows
+
+
+def _ops_attention(r: dict) -> list[tuple[str, str, str, str]]:
+    s, v = r["shape"], r["variants"]
+    shape = (
+        f"batch {s['batch']} × {s['group']} beams, {s['heads']} heads, {s['q_len']} query over {s['kv_len']} "
+        f"keys, dim {s['dim']}, {s['dtype']}"
+    )
+    times = ", ".join(f"{k} {x['median_us']:.1f}" for k, x in v.items())
+    speed = ", ".join(f"{k} {x['speedup_vs_per_beam_sdpa']:.2f}×" for k, x in v.items() if k != "per_beam_sdpa")
+    return [("cross-attention over shared K/V", shape, times + " µs", speed + " (vs `per_beam_sdpa`)")]
+
+
+def _ops_beam_topk(r: dict) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for e in r["results"]:
+        shape = f"batch {e['batch']} × {e['beams']} beams, vocab {e['vocab']}, k {e['k']}"
+        times = ", ".join(f"{k} {v:.3f}" for k, v in e["median_ms"].items())
+        speed = f"`fastgen_op` {e['speedup_vs_hf']:g}× `hf_step`; with 3-gram blocking {e['speedup_vs_hf_ngram3']:g}×"
+        rows.append(("beam top-k step", shape, times + " ms", speed))
+    return rows
+
+
+_OPS = {"ngram_op": _ops_ngram, "attention_op": _ops_attention, "beam_topk_op": _ops_beam_topk}
+
+
+def ops_gpu() -> str:
+    """The op micro-benchmarks measured on a GPU (``ngram_op``, ``attention_op``, ``beam_topk_op``)."""
+    lines = ["| op | device | shape | median per call | speedup (as recorded) |", "|---" * 5 + "|"]
+    for prefix, rows in _OPS.items():
+        for path in gpu_files(prefix):
+            r = json.loads(path.read_text())
+            for op, shape, times, speed in rows(r):
+                lines.append(f"| {op} | {machine(_environment(r))} | {shape} | {times} | {speed} |")
+    return "\n".join(lines)
 
 
 def trained() -> str:
@@ -310,11 +478,16 @@ def int8() -> str:
 #: ``<!-- generated:NAME -->`` or ``<!-- generated:NAME:ARG -->`` -> the markdown that replaces it.
 GENERATED: dict[str, Callable[..., str]] = {
     "results": tables_by_machine,
+    "results-gpu": lambda: tables_by_machine(gpu_only=True),
     "result-files": result_files,
     "beam-steps": lambda: beam_steps_tables(),
     "speculative": _speculative,
     "continuous-encoder-decoder": lambda: _continuous("encoder-decoder"),
     "continuous-decoder-only": lambda: _continuous("decoder-only"),
+    "max-batch": max_batch,
+    "step-profile": step_profile,
+    "continuous-gpu": continuous_gpu,
+    "ops-gpu": ops_gpu,
     "cli-pipeline": _cli_pipeline,
     "ctranslate2": _ctranslate2,
     "features": features,

@@ -32,7 +32,7 @@ from benchmarks.scenarios import SCENARIOS
 #: kernel / operator name patterns -> kind, first match wins (lower-case names)
 KINDS = (
     ("attention", r"flash|fmha|attention|sdpa|efficient_attention|_ragged"),
-    ("matmul", r"gemm|cutlass|cublas|xmma|ampere_|hopper|wgmma|aten::(mm|bmm|addmm|linear|matmul|baddbmm)"),
+    ("matmul", r"gemm|cutlass|cublas|nvjet|xmma|ampere_|hopper|wgmma|aten::(mm|bmm|addmm|linear|matmul|baddbmm)"),
     ("softmax", r"softmax"),
     ("top-k / sort", r"topk|sort|radix|select|gather_topk|bitonic|beam_topk"),
     ("n-gram blocking", r"ngram|no_repeat"),

@@ -127,6 +127,22 @@ def test_every_generated_block_of_the_docs_renders():
             assert "<!-- generated:" not in rendered, page
 
 
+def test_the_gpu_page_renders_the_h200_results():
+    """docs/benchmarks/gpu.md's tables come from the committed ``*-cuda*`` JSON, H200 rows included."""
+    page = PAGES["benchmarks/gpu.md"]
+    for name in ("results-gpu", "max-batch", "step-profile", "continuous-gpu", "ops-gpu"):
+        assert f"<!-- generated:{name} -->" in page, name
+    assert "<!-- generated:speculative:speculative-cuda.json -->" in page
+    sequences_only = next(line for line in report.max_batch().splitlines() if "sequences only" in line)
+    assert "NVIDIA H200" in sequences_only and "| 16 (32 fails) | 80 (96 fails) |" in sequences_only
+    assert "**12%**" in report.step_profile() and "| 457 |" in report.step_profile()
+    assert "warm **1.30×**" in report.continuous_gpu()
+    ops = report.ops_gpu()
+    assert all(op in ops for op in ("n-gram blocking", "cross-attention over shared K/V", "beam top-k step"))
+    assert "NVIDIA H200" in report.tables_by_machine(gpu_only=True)
+    assert "AMD EPYC" not in report.tables_by_machine(gpu_only=True)
+
+
 def test_every_page_is_in_the_nav_and_every_readme_link_exists():
     nav = (ROOT / "mkdocs.yml").read_text()
     for page in PAGES:
