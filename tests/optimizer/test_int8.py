@@ -27,7 +27,11 @@ HF_INT8 = requires_feature("int8")
 pytestmark = pytest.mark.skipif(int8_linear.unavailable() is not None, reason=str(int8_linear.unavailable()))
 
 DEFAULT_FEATURES = sorted(set(registry.known_features()) - registry.OPT_IN_FEATURES)
-BACKENDS = ["int_mm", *(["fbgemm"] if int8_linear._has_fbgemm() else [])]
+BACKENDS = [
+    "int_mm",
+    *(["fbgemm"] if int8_linear._has_fbgemm() else []),
+    *(["onednn"] if int8_linear._has_onednn() else []),
+]
 
 
 def _weights(rows: int, cols: int, seed: int, zero_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +83,43 @@ def test_fbgemm_backend_is_as_close_to_fp32_as_the_reference(rows, k, n, seed):
     step_w = weight.abs().amax(dim=1) / 127
     bound = step_x * weight.abs().sum(dim=1) + step_w * x.abs().sum(dim=1, keepdim=True) + 1e-5
     assert ((result - exact).abs() <= bound).all()
+
+
+@pytest.mark.skipif("onednn" not in BACKENDS, reason="no oneDNN quantized linear (or no VNNI) here")
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    k=st.integers(int8_linear.MIN_IN_FEATURES, 300),
+    n=st.integers(1, 90),
+    seed=st.integers(0, 10**6),
+    zero_row=st.booleans(),
+)
+def test_onednn_backend_is_the_reference_up_to_float_rounding(rows, k, n, seed, zero_row):
+    """Same codes and integer sums as the reference; only the float scaling's order differs, and a code
+    may round the other way where ``x * (1/s)`` and ``x / s`` fall on either side of a half."""
+    weight, b = _weights(n, k, seed, zero_row)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
+    if zero_row:
+        x[0] = 0
+    result = int8_linear.int8_linear(x, int8_linear.Int8Weight(weight, "onednn"), b)
+    reference = int8_linear.int8_linear_reference(x, weight, b)
+    one_code = x.abs().amax(dim=1, keepdim=True) / 127 * weight.abs().amax(dim=1)  # one activation step
+    assert ((result - reference).abs() <= 2 * one_code + 1e-5 * reference.abs() + 1e-6).all()
+    close = (result - reference).abs() <= 1e-5 * reference.abs() + 1e-6
+    assert close.float().mean() > 0.95  # code flips are the exception
+
+
+@pytest.mark.skipif(int8_linear.backend() != "auto", reason="auto needs both fbgemm and oneDNN")
+def test_auto_packs_each_weight_once_for_the_backend_its_first_product_needs():
+    big = int8_linear.Int8Weight(torch.randn(8192, 64), "auto")
+    small = int8_linear.Int8Weight(torch.randn(64, 64), "auto")
+    assert big.kind == small.kind == "auto" and big.packed is None  # nothing packed before a product
+    big.matmul(torch.randn(32, 64))
+    small.matmul(torch.randn(32, 64))
+    assert (big.kind, small.kind) == ("onednn", "fbgemm")
+    assert big._codes is None and small._codes is None  # the codes are dropped once packed
+    small.matmul(torch.randn(4096, 64))  # a later, larger product keeps the first choice
+    assert small.kind == "fbgemm" and small.nbytes == 64 * 64 + 64 * 4
 
 
 def test_torch_int_mm_is_wrong_for_one_input_feature_so_narrow_weights_are_refused():
