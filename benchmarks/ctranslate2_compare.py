@@ -319,8 +319,8 @@ def readme_table(results_dir: Path | None = None) -> str:
     lines = [
         "| model | mode | threads | CPU ISA | upstream | fastgen exact (default) | fastgen fast_gemm | fastgen int8 "
         "| CT2 fp32 | CT2 int8 | exact / CT2 fp32 | fast / CT2 fp32 | int8 / CT2 int8 | exact identical "
-        "| tokens = upstream: fast / int8 / CT2 int8 | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens = upstream: fast / int8 / CT2 int8 | load (1 min) | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path in sorted(results_dir.glob("ctranslate2-*.json")):
         r = json.loads(path.read_text())
@@ -342,6 +342,6 @@ def readme_table(results_dir: Path | None = None) -> str:
                 f"| {_ratio(ct2_int8, m['fastgen_int8']) if 'fastgen_int8' in m else '–'} | {identical} "
                 f"| {_tokens(e.get('fast_mode_vs_upstream'))} / {_tokens(e.get('int8_mode_vs_upstream'))} / "
                 f"{f'{100 * ct2_int8_tokens:.1f}%' if ct2_int8_tokens is not None else '–'} "
-                f"| {min(load):.1f}–{max(load):.1f} |"
+                f"| {min(load):.1f}–{max(load):.1f} | {r.get('environment', {}).get('git_commit') or '?'} |"
             )
     return "\n".join(lines)

@@ -61,14 +61,18 @@ def test_int_mm_backend_is_the_reference_bit_for_bit(rows, k, n, seed, zero_row,
     assert torch.equal(result, int8_linear.int8_linear_reference(x, weight, b))
 
 
-@pytest.mark.skipif("fbgemm" not in BACKENDS, reason="no fbgemm quantized engine in this torch")
-@settings(max_examples=40, deadline=None)
-@given(
+#: products of every size the per-row quantization must handle (rows x k inputs, n outputs)
+PRODUCTS = dict(
     rows=st.integers(1, 40),
     k=st.integers(int8_linear.MIN_IN_FEATURES, 300),
     n=st.integers(1, 90),
     seed=st.integers(0, 10**6),
 )
+
+
+@pytest.mark.skipif("fbgemm" not in BACKENDS, reason="no fbgemm quantized engine in this torch")
+@settings(max_examples=40, deadline=None)
+@given(**PRODUCTS)
 def test_fbgemm_backend_is_as_close_to_fp32_as_the_reference(rows, k, n, seed):
     weight, b = _weights(n, k, seed, zero_row=False)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
@@ -87,13 +91,7 @@ def test_fbgemm_backend_is_as_close_to_fp32_as_the_reference(rows, k, n, seed):
 
 @pytest.mark.skipif("onednn" not in BACKENDS, reason="no oneDNN quantized linear (or no VNNI) here")
 @settings(max_examples=40, deadline=None)
-@given(
-    rows=st.integers(1, 40),
-    k=st.integers(int8_linear.MIN_IN_FEATURES, 300),
-    n=st.integers(1, 90),
-    seed=st.integers(0, 10**6),
-    zero_row=st.booleans(),
-)
+@given(**PRODUCTS, zero_row=st.booleans())
 def test_onednn_backend_is_the_reference_up_to_float_rounding(rows, k, n, seed, zero_row):
     """Same codes and integer sums as the reference; only the float scaling's order differs, and a code
     may round the other way where ``x * (1/s)`` and ``x / s`` fall on either side of a half."""
