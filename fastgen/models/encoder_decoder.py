@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-from fastgen.models._caches import hypothesis_rows, plain_dynamic_cache
+from fastgen.models._caches import hypothesis_rows, repeated_rows_cache
 from fastgen.models._families import is_subclass_of_any, unsupported_attention, unsupported_family
 from fastgen.ops.attention import group_beam_queries, layout_for_groups, ungroup_beam_output, ungroup_beam_rows
 
@@ -119,14 +119,13 @@ class BeamSharedCrossAttentionCache(EncoderDecoderCache):
 
         For a cache handed back to the caller: it must work in upstream code, where nothing knows
         that the cross rows are shared. The self-attention cache is shared with this one (it already
-        has upstream's layout); the cross K/V are new tensors, so this cache is left as it was.
+        has upstream's layout); the cross layers repeat this cache's K/V per hypothesis into new
+        tensors when first read (:class:`~fastgen.models._caches.RepeatedRowsLayer`), so a caller who
+        never reads them never pays upstream's cross-attention memory, and this cache is left as it was.
         """
-        group = self.group_size()
-        cross = plain_dynamic_cache(
-            (layer.keys.repeat_interleave(group, 0), layer.values.repeat_interleave(group, 0))
-            if layer.is_initialized
-            else None
-            for layer in self.cross_attention_cache.layers
+        layers = self.cross_attention_cache.layers
+        cross = repeated_rows_cache(
+            ((layer.keys, layer.values) if layer.is_initialized else None for layer in layers), self.group_size()
         )
         return EncoderDecoderCache(self.self_attention_cache, cross)
 

@@ -213,6 +213,39 @@ def test_returned_encoder_decoder_cache_continues_in_upstream_code(family: str, 
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_returned_cross_attention_rows_are_built_only_when_read() -> None:
+    """The returned cache's cross layers hold one row per input until read (issue 26: on a GPU, building
+    them at the end of every call doubled the peak memory); read, written, copied or pickled, they are
+    upstream's per-hypothesis K/V."""
+    import copy
+    import pickle
+
+    from fastgen.models._caches import RepeatedRowsLayer
+
+    model = harness.tiny_hf_model("bart")
+    inputs = harness.tiny_inputs(model, batch=2)
+    kwargs = dict(num_beams=3, max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True)
+    with fastgen.unpatched():
+        reference = getattr(model.generate(**inputs, **kwargs), CACHE).cross_attention_cache.layers
+    with fastgen.patched(["dedup"]):
+        layers = getattr(model.generate(**inputs, **kwargs), CACHE).cross_attention_cache.layers
+    assert all(isinstance(layer, RepeatedRowsLayer) and not layer.built for layer in layers)
+    shared = layers[0].__dict__["_shared"][0]
+    assert shared.shape[0] == 2 and reference[0].keys.shape[0] == 6  # one row per input, not per beam
+    copied, unpickled = copy.deepcopy(layers[0]), pickle.loads(pickle.dumps(layers[0]))
+    assert not copied.built and not unpickled.built
+    for mine, theirs in zip([layers[0], copied, unpickled], [reference[0]] * 3, strict=True):
+        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)  # a read builds both
+        assert mine.built and mine.keys.shape == theirs.keys.shape
+    assert layers[0].get_seq_length() == reference[0].get_seq_length()
+    layers[1].keys = torch.zeros(1)  # a write builds first, then replaces that one tensor
+    assert layers[1].built and layers[1].keys.shape == (1,) and layers[1].values.shape == reference[1].values.shape
+    fresh = RepeatedRowsLayer(torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), 3)
+    assert fresh.get_seq_length() == 5 and not fresh.built
+    fresh.reset()
+    assert fresh.keys is None and fresh.values is None
+
+
 def test_returned_cache_is_folded_only_when_returned(monkeypatch: pytest.MonkeyPatch) -> None:
     from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache as Shared
 
