@@ -43,7 +43,6 @@ from benchmarks.measure import (
     rotating_order,
     run_heading,
     synchronize,
-    triton_compilations,
 )
 from benchmarks.scenarios import SCENARIOS
 from fastgen.cli import heap
@@ -204,7 +203,6 @@ def main(argv: list[str] | None = None) -> int:
                 tokens=tokens,
                 decoder_steps=counter.steps,
                 avg_rows_per_step=counter.rows / max(counter.steps, 1),
-                triton_compilations_so_far=sum((triton_compilations() or {}).values()),
             )
         )
         load.append(os.getloadavg()[0])
@@ -213,11 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary: dict[str, Any] = {}
     for name in names:
-        summary[name] = {
-            key: statistics.median(r[key] for r in runs[name])
-            for key in runs[name][0]
-            if key != "triton_compilations_so_far"
-        }
+        summary[name] = {key: statistics.median(r[key] for r in runs[name]) for key in runs[name][0]}
         if args.rounds > 1:  # the first pass meets every shape first (kernel compilations); the last is warm
             summary[name]["last_round_seconds"] = runs[name][-1]["seconds"]
     reference = outputs.get("continuous")
@@ -243,7 +237,6 @@ def main(argv: list[str] | None = None) -> int:
         "output_lengths": length_summary(lengths),
         "input_lengths": {"min": min(map(len, inputs)), "max": max(map(len, inputs))},
         "runs": runs,
-        "triton_compilations": triton_compilations(),
         "median": summary,
     }
     text = json.dumps(result, indent=2)

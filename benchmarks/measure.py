@@ -258,33 +258,3 @@ def run_heading(data: dict[str, Any], lengths_label: str) -> str:
         f"commit {str(env.get('git_commit'))[:7]}; {lengths_label} {out['min']}-{out['max']}, "
         f"mean {out['mean']:.1f}):\n"
     )
-
-
-def triton_compilations() -> dict[str, int] | None:
-    """Compiled variants of each of fastgen's Triton kernels loaded in this process (name -> count).
-
-    Triton compiles a kernel once per specialisation (constexprs, integer arguments equal to 1 or
-    divisible by 16, dtypes): a run that meets new shapes pays those compilations, a warm one does not.
-    None where Triton is not installed or keeps its caches differently.
-    """
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return None
-    counts: dict[str, int] = {}
-    for module_name, module in list(sys.modules.items()):
-        if not module_name.startswith("fastgen.ops.triton.") or module is None:
-            continue
-        for name, value in vars(module).items():
-            kernel = getattr(value, "fn", value)  # an autotuner wraps the JITFunction
-            if not isinstance(kernel, JITFunction):
-                continue
-            caches = getattr(kernel, "device_caches", None)
-            if caches is None:
-                return None
-            total = 0
-            for entry in caches.values():
-                first = entry[0] if isinstance(entry, tuple) else entry
-                total += len(first) if hasattr(first, "__len__") else 0
-            counts[f"{module_name.rsplit('.', 1)[-1]}.{name}"] = total
-    return counts

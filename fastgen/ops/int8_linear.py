@@ -182,20 +182,14 @@ class Int8Weight:
         if weight.dim() != 2 or weight.shape[1] < MIN_IN_FEATURES:
             raise ValueError(f"int8 weights need (out, in >= {MIN_IN_FEATURES}), got {tuple(weight.shape)}")
         self.out_features = weight.shape[0]
-        self.scale = torch.empty(0)
         self.packed: Any = None
         self._lock = threading.Lock()
         codes, scale = quantize_weight(weight)
         self._codes: tuple[torch.Tensor, torch.Tensor] | None = (codes, scale)
-        self._nbytes = codes.numel() + scale.numel() * scale.element_size()
+        self.nbytes = codes.numel() + scale.numel() * scale.element_size()  # a packed layout holds about as much
         self.kind = kind
         if kind != "auto":
             self._pack(kind, None)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the int8 copy (codes and scales; a packed layout holds about the same)."""
-        return self._nbytes
 
     def _pack(self, kind: str, rows: int | None) -> None:
         """Pack the codes for ``kind``; oneDNN lays the weight out for ``rows``-row products when told."""
