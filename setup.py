@@ -22,6 +22,9 @@ class BuildPyWithSources(build_py):
         os.makedirs(target, exist_ok=True)
         for source in sorted(glob.glob("csrc/*.cu") + glob.glob("csrc/*.h") + glob.glob("csrc/*.cpp")):
             shutil.copy(source, target)
+        os.makedirs(os.path.join(target, "cpu"), exist_ok=True)
+        for source in sorted(glob.glob("csrc/cpu/*.cpp")):  # the CPU kernels, JIT-built on first use
+            shutil.copy(source, os.path.join(target, "cpu"))
 
 
 def _cuda_extension() -> dict:

@@ -29,6 +29,7 @@ import fastgen.ops._ext as ext
 where = pathlib.Path(fastgen.__file__).resolve()
 assert "site-packages" in where.parts, f"fastgen imported from {where}, not from the installed wheel"
 assert (ext._CSRC / "bindings.cpp").is_file() and list(ext._CSRC.glob("*.cu")), f"no CUDA sources in {ext._CSRC}"
+assert (ext._CSRC / "cpu" / "decode_attention.cpp").is_file(), f"no CPU kernel source in {ext._CSRC}"
 print("fastgen", fastgen.__version__, "from", where.parent)
 PY
 "$VPY" -m fastgen.info >info.txt
@@ -53,6 +54,11 @@ with fastgen.unpatched():
 assert torch.equal(patched, upstream), "patched generate differs from upstream"
 assert r.fast_path("dedup") and r.fast_path("ngram"), str(r)
 print("patched generate == upstream; dedup and ngram ran")
+
+from fastgen.ops import cpu_attention  # the fast mode's CPU kernel builds from the wheel's sources
+
+assert cpu_attention.unavailable_reason() is None, cpu_attention.unavailable_reason()
+print("CPU attention kernel built from the wheel's sources")
 PY
 "$tmp/venv/bin/fastgen-generate-hf" --help >/dev/null
 status=0

@@ -30,7 +30,9 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from fastgen.models._caches import hypothesis_rows, repeated_rows_cache
 from fastgen.models._families import is_subclass_of_any, unsupported_attention, unsupported_family
+from fastgen.ops import cpu_attention
 from fastgen.ops.attention import group_beam_queries, layout_for_groups, ungroup_beam_output, ungroup_beam_rows
+from fastgen.optimizer.linear_modes import approximate_here
 
 log = logging.getLogger("fastgen")
 
@@ -199,6 +201,40 @@ def _per_hypothesis(tensor: Any, batch: int, group: int) -> Any:
     return tensor
 
 
+#: keyword arguments of an attention call that the CPU decode kernel honours (any other: stock attention)
+_KERNEL_KWARGS = frozenset({"dropout", "scaling", "is_causal", "output_attentions", "position_ids", "cache_position"})
+
+
+def _approximate_cpu_attention(
+    attention: AttentionFunction,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor | None:
+    """The CPU decode kernel's output ``(B, M, H, D)`` for an SDPA call of the opt-in fast modes, else None.
+
+    Only where this thread runs the module's projections in ``fast_gemm`` or ``int8`` (approximate
+    arithmetic was asked for), the call is what the kernel computes (no dropout, bias, soft-capping,
+    attention weights or causal masking left to SDPA), and the tensors suit it
+    (:func:`fastgen.ops.cpu_attention.supports`). Never under ``torch.compile`` (an opaque op there).
+    """
+    if getattr(attention, "__name__", None) != "sdpa_attention_forward" or torch.compiler.is_compiling():
+        return None
+    if not kwargs.keys() <= _KERNEL_KWARGS or kwargs.get("dropout") or kwargs.get("output_attentions"):
+        return None
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    if causal and mask is None and query.shape[2] > 1:
+        return None
+    if not approximate_here(module) or not cpu_attention.supports(query, key, value, mask):
+        return None
+    scaling = kwargs.get("scaling")
+    return cpu_attention.decode_attention(query, key, value, mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
+
+
 def _run_grouped(
     attention: AttentionFunction,
     module: torch.nn.Module,
@@ -233,7 +269,11 @@ def _run_grouped(
         return attention(module, query, key, value, attention_mask, *args, **kwargs)
     if bias is not None:
         kwargs = {**kwargs, "position_bias": bias}
-    output, weights = attention(module, group_beam_queries(query, group), key, value, mask, *args, **kwargs)
+    grouped = group_beam_queries(query, group)
+    fast = None if args else _approximate_cpu_attention(attention, module, grouped, key, value, mask, kwargs)
+    if fast is not None:
+        return ungroup_beam_output(fast, group), None
+    output, weights = attention(module, grouped, key, value, mask, *args, **kwargs)
     if weights is not None:
         weights = ungroup_beam_rows(weights, group)
     return ungroup_beam_output(output, group), weights
@@ -261,6 +301,9 @@ def grouped_attention(attention: AttentionFunction) -> AttentionFunction:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows, kv_rows = query.shape[0], key.shape[0]
         if rows == kv_rows or kv_rows == 0 or rows % kv_rows or not is_shared_kv_attention_module(type(module)):
+            fast = None if args else _approximate_cpu_attention(attention, module, query, key, value, attention_mask, kwargs)
+            if fast is not None:
+                return fast, None
             return attention(module, query, key, value, attention_mask, *args, **kwargs)
         return _run_grouped(attention, module, query, key, value, attention_mask, args, kwargs)
 

@@ -33,7 +33,7 @@ from fastgen.ops.weight_cache import DerivedWeights
 from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback
 
-__all__ = ["FAST_GEMM", "INT8", "installed", "int8_linears", "is_conv1d", "mode_linears", "packed_linears"]
+__all__ = ["FAST_GEMM", "INT8", "approximate_here", "installed", "int8_linears", "is_conv1d", "mode_linears", "packed_linears"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +111,15 @@ def installed(module: torch.nn.Module | None) -> str | None:
     """The feature whose forward ``module`` runs right now, or None (the gemm feature asks)."""
     entry = _installed.get(id(module)) if module is not None else None
     return entry[0] if entry else None
+
+
+def approximate_here(module: torch.nn.Module) -> bool:
+    """Whether this thread runs one of ``module``'s own linears in ``fast_gemm`` or ``int8`` right now: the
+    user asked for approximate arithmetic there, so the attention around them may be approximate too."""
+    for child in module.children():
+        if installed(child) in (FAST_GEMM.feature, INT8.feature) and _entered_here(child):
+            return True
+    return False
 
 
 def _candidates(model: torch.nn.Module, mode: LinearMode) -> tuple[list[torch.nn.Module], bool]:
