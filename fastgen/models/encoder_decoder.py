@@ -232,7 +232,8 @@ def _approximate_cpu_attention(
     if not approximate_here(module) or not cpu_attention.supports(query, key, value, mask):
         return None
     scaling = kwargs.get("scaling")
-    return cpu_attention.decode_attention(query, key, value, mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return cpu_attention.decode_attention(query, key, value, mask, scale)
 
 
 def _run_grouped(
@@ -301,7 +302,11 @@ def grouped_attention(attention: AttentionFunction) -> AttentionFunction:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows, kv_rows = query.shape[0], key.shape[0]
         if rows == kv_rows or kv_rows == 0 or rows % kv_rows or not is_shared_kv_attention_module(type(module)):
-            fast = None if args else _approximate_cpu_attention(attention, module, query, key, value, attention_mask, kwargs)
+            fast = (
+                None
+                if args
+                else _approximate_cpu_attention(attention, module, query, key, value, attention_mask, kwargs)
+            )
             if fast is not None:
                 return fast, None
             return attention(module, query, key, value, attention_mask, *args, **kwargs)

@@ -125,8 +125,8 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: 
     if mask is not None:
         if mask.dim() != 4 or mask.device.type != "cpu" or mask.dtype not in (torch.bool, torch.float32):
             return False
-        target = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-        if mask.shape[3] != target[3] or any(m not in (1, t) for m, t in zip(mask.shape[:3], target[:3])):
+        broadcasts = all(m in (1, t) for m, t in zip(mask.shape[:3], query.shape[:3], strict=True))
+        if mask.shape[3] != key.shape[2] or not broadcasts:
             return False
     return unavailable_reason() is None
 

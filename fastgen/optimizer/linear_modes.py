@@ -33,7 +33,16 @@ from fastgen.ops.weight_cache import DerivedWeights
 from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback
 
-__all__ = ["FAST_GEMM", "INT8", "approximate_here", "installed", "int8_linears", "is_conv1d", "mode_linears", "packed_linears"]
+__all__ = [
+    "FAST_GEMM",
+    "INT8",
+    "approximate_here",
+    "installed",
+    "int8_linears",
+    "is_conv1d",
+    "mode_linears",
+    "packed_linears",
+]
 
 
 @dataclasses.dataclass(frozen=True)

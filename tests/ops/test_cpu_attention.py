@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastgen
-from fastgen.optimizer import registry
 from fastgen.ops import cpu_attention
+from fastgen.optimizer import registry
 from tests import harness
 
 REASON = cpu_attention.unavailable_reason()
@@ -72,7 +72,7 @@ def test_kernel_is_its_reference_and_sdpa_to_float_rounding(
     batch, heads, rows, keys, dim, seed, strided, mask_kind, broadcast
 ):
     query, key, value, generator = _problem(batch, heads, rows, keys, dim, seed, strided)
-    shape = tuple(1 if b else n for b, n in zip(broadcast, (batch, heads, rows))) + (keys,)
+    shape = (*(1 if b else n for b, n in zip(broadcast, (batch, heads, rows), strict=True)), keys)
     mask = _mask(mask_kind, shape, generator)
     scale = dim**-0.5
     assert cpu_attention.supports(query, key, value, mask)
