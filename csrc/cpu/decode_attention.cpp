@@ -216,7 +216,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
 
 }  // namespace
 
-TORCH_LIBRARY(fastgen_cpu, lib) {
+TORCH_LIBRARY_FRAGMENT(fastgen_cpu, lib) {
   lib.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
 }
 

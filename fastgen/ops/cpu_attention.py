@@ -9,107 +9,29 @@ call ~100 us for a few KB of work. The C++ kernel (``csrc/cpu/decode_attention.c
 and value row once and is 1.5x (cross) and 2.3x (self) faster there.
 
 It sums in another order than SDPA (results agree to float32 rounding, not bit for bit), so only
-``fast_gemm`` and ``int8`` use it, never the default exact mode. It is built on first use with
-``torch.utils.cpp_extension`` for the machine at hand (``-march=native``, a few seconds, cached
-under ``~/.cache/fastgen``); without a compiler or ninja, with ``FASTGEN_JIT=0`` or
-``FASTGEN_CPU_ATTENTION=0`` the stock attention runs (:func:`unavailable_reason` says why).
+``fast_gemm`` and ``int8`` use it, never the default exact mode. It is built on first use
+(:mod:`fastgen.ops.cpu_kernels`); where it can't be, or with ``FASTGEN_CPU_ATTENTION=0``, the stock
+attention runs (:func:`unavailable_reason` says why).
 
 :func:`decode_attention_reference` is the same computation in torch, for the tests.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
-import platform
-import threading
-from pathlib import Path
 
 import torch
 
-from fastgen._log import origin
-from fastgen.ops._ext import _CSRC, _release
+from fastgen.ops import cpu_kernels
 
-logger = logging.getLogger("fastgen")
-
-#: the compiler flags: vectorize for this CPU, let reductions reassociate (a tree instead of a chain)
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math"]  # fmt: skip
 MAX_QUERY_ROWS = 16  # beyond this a GEMM-based kernel (SDPA's) is the better tool
-
-_lock = threading.Lock()
-_state: dict[str, object] = {}
-
-
-def _source() -> Path:
-    return _CSRC / "cpu" / "decode_attention.cpp"
-
-
-def _build_dir() -> Path:
-    """Per torch release and CPU (``-march=native`` code must not move to another CPU kind)."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        flags = platform.processor()
-    cpu = hashlib.sha256(flags.encode()).hexdigest()[:12]
-    root = Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fastgen"))
-    return root / "build" / f"torch{_release(torch.__version__)}-cpu-{cpu}"
-
-
-def _disabled() -> str | None:
-    off = {"0", "false", "no", "off"}
-    if os.environ.get("FASTGEN_CPU_ATTENTION", "1").strip().lower() in off:
-        return "FASTGEN_CPU_ATTENTION=0"
-    if os.environ.get("FASTGEN_JIT", "1").strip().lower() in off:
-        return "JIT builds are disabled (FASTGEN_JIT=0)"
-    return None
-
-
-def _load() -> str | None:
-    """Build (or reuse) and load the kernel; None on success, else why not."""
-    if not hasattr(torch.ops, "fastgen_cpu") or not hasattr(torch.ops.fastgen_cpu, "decode_attention"):
-        source = _source()
-        if not source.is_file():
-            return f"no kernel source at {source}"
-        from torch.utils import cpp_extension
-
-        build_dir = _build_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        logger.info("%sbuilding the CPU attention kernel into %s (first use only)", origin(), build_dir)
-        cpp_extension.load(
-            name="fastgen_cpu_attention",
-            sources=[str(source)],
-            build_directory=str(build_dir),
-            extra_cflags=CFLAGS,
-            is_python_module=False,
-            verbose=False,
-        )
-    return None
 
 
 def unavailable_reason() -> str | None:
-    """Why the kernel can't run (None: it can). Builds it on the first call of the process."""
-    disabled = _disabled()
-    if disabled is not None:
-        return disabled
-    if "reason" not in _state:
-        with _lock:
-            if "reason" not in _state:
-                try:
-                    _state["reason"] = _load()
-                except Exception as exc:  # compiler/ninja missing, build errors: stock attention runs
-                    lines = str(exc).strip().splitlines()
-                    _state["reason"] = f"CPU attention kernel unavailable ({type(exc).__name__}): " + " | ".join(
-                        lines[-3:]
-                    )
-                if _state["reason"] is not None:
-                    logger.info("%s%s", origin(), _state["reason"])
-    return _state["reason"]  # type: ignore[return-value]
+    """Why the kernel can't run (None: it can); builds the CPU kernels on the first call."""
+    if os.environ.get("FASTGEN_CPU_ATTENTION", "1").strip().lower() in cpu_kernels.OFF:
+        return "FASTGEN_CPU_ATTENTION=0"
+    return cpu_kernels.unavailable_reason()
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:

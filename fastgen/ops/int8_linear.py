@@ -28,10 +28,12 @@ That formula is :func:`int8_linear_reference`. Two backends compute it with torc
   arithmetic exactly, slower (measured), kept for torch builds without the quantized engine.
 
 Where both fbgemm and oneDNN can run, each weight takes the faster for the products it serves, decided
-at its first product (:func:`choose_kind`): oneDNN for large products (the LM head, the encoder's
-1024-row products: 1.05-1.56x fbgemm, measured on an AMD EPYC with AVX-512 VNNI at 1 and 2 threads),
-fbgemm for a decode step's small ones (oneDNN 0.76-0.92x there). The weight is packed for that one
-backend only.
+at its first product (:func:`choose_kind`). With fastgen's CPU kernels (the row quantization in one pass,
+the row scales and bias in another: :mod:`fastgen.ops.cpu_kernels`) that is oneDNN for every product
+(0.98-1.36x fbgemm from 16 x 768 x 768 to the 16-row LM head, 1.12-1.27x at 64 rows, AMD EPYC with
+AVX-512 VNNI, 1 and 2 threads); without them, torch's seven passes around oneDNN's product made it lose on
+a decode step's small products (0.76-0.92x fbgemm), so only large ones (the LM head, the encoder's
+1024-row products: 1.05-1.56x) go to oneDNN. The weight is packed for that one backend only.
 
 Not bit-identical to ``F.linear`` and not meant to be: the ``int8`` feature is opt-in.
 """
@@ -46,6 +48,7 @@ from typing import Any
 
 import torch
 
+from fastgen.ops import cpu_kernels
 from fastgen.ops.fast_linear import runs_packed
 
 #: ``FASTGEN_INT8_BACKEND=int_mm`` forces the slower exact-reference backend (tests, bisecting).
@@ -98,7 +101,13 @@ ONEDNN_MIN_OUTPUTS = 1 << 18
 
 
 def choose_kind(rows: int, out_features: int) -> str:
-    """``auto``'s backend for a weight whose first product has ``rows`` rows (measured; module docstring)."""
+    """``auto``'s backend for a weight whose first product has ``rows`` rows (measured; module docstring).
+
+    With fastgen's CPU kernels (:mod:`fastgen.ops.cpu_kernels`: quantization and scaling fused around the
+    product) oneDNN is at least as fast for every product size measured; without them, only for large ones.
+    """
+    if cpu_kernels.available():
+        return "onednn"
     return "onednn" if rows * out_features >= ONEDNN_MIN_OUTPUTS else "fbgemm"
 
 
@@ -213,27 +222,39 @@ class Int8Weight:
             raise ValueError(f"unknown int8 backend {kind!r}")
         self.kind, self._codes = kind, None
 
-    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        """``x2 @ W.T`` in int8 for a contiguous ``(M, K)`` float32 input (no bias)."""
+    def matmul(self, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x2 @ W.T + bias`` in int8 for a contiguous ``(M, K)`` float32 input."""
         if self._codes is not None:
             with self._lock:
                 if self._codes is not None:
                     self._pack(choose_kind(x2.shape[0], self.out_features), x2.shape[0])
+        fused = self.kind != "int_mm" and cpu_kernels.available()
+        if self.kind == "onednn" and fused:  # quantization in one kernel, scales and bias in another
+            codes, row_max = torch.ops.fastgen_cpu.quantize_rows_u8(x2)
+            y = self._onednn(codes)
+            return torch.ops.fastgen_cpu.scale_rows_add_(y, row_max.div_(127), bias)
         row_max = _row_max(x2)
         if self.kind == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2 / row_max, self.packed, self.reduce_range)
-            return y.mul_(row_max)
-        scale_x = row_max / 127
-        if self.kind == "onednn":
+            if fused:
+                return torch.ops.fastgen_cpu.scale_rows_add_(y, row_max, bias)
+            y.mul_(row_max)
+        elif self.kind == "onednn":
             with warnings.catch_warnings():  # rows over their max|x|, then one vectorised u8 pass
                 warnings.simplefilter("ignore")
                 codes = torch.quantize_per_tensor(x2 / row_max, 1 / 127, 128, torch.quint8).int_repr()
-            y = torch.ops.onednn.qlinear_pointwise(
-                codes, 1.0, 128, self.packed, self.scale, self._zero_points, None, 1.0, 0, torch.float32, "none", [], ""
-            )
-            return y.mul_(scale_x)
-        xq = torch.round(x2 / scale_x).clamp_(-127, 127).to(torch.int8)
-        return torch._int_mm(xq, self.packed).to(torch.float32).mul_(scale_x * self.scale)
+            y = self._onednn(codes).mul_(row_max / 127)
+        else:
+            scale_x = row_max / 127
+            xq = torch.round(x2 / scale_x).clamp_(-127, 127).to(torch.int8)
+            y = torch._int_mm(xq, self.packed).to(torch.float32).mul_(scale_x * self.scale)
+        return y if bias is None else y.add_(bias)
+
+    def _onednn(self, codes: torch.Tensor) -> torch.Tensor:
+        """oneDNN's ``u8 x s8`` product of codes with zero point 128, the weight scales applied."""
+        return torch.ops.onednn.qlinear_pointwise(
+            codes, 1.0, 128, self.packed, self.scale, self._zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+        )
 
 
 def prepare(weight: torch.Tensor) -> Int8Weight:
@@ -251,7 +272,5 @@ def int8_linear(x: torch.Tensor, prepared: Int8Weight, bias: torch.Tensor | None
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    y = prepared.matmul(x2)
-    if bias is not None:
-        y.add_(bias)
+    y = prepared.matmul(x2, bias)
     return y.reshape(*x.shape[:-1], prepared.out_features)

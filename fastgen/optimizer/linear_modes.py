@@ -27,6 +27,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
+from fastgen.cli import heap
 from fastgen.ops import fast_linear, int8_linear
 from fastgen.ops.fast_linear import is_conv1d
 from fastgen.ops.weight_cache import DerivedWeights
@@ -122,6 +123,15 @@ def installed(module: torch.nn.Module | None) -> str | None:
     return entry[0] if entry else None
 
 
+_heap_tuned: list[bool] = []  # whether the first scope of the process has asked for the malloc thresholds
+
+
+def _keep_freed_memory_once() -> None:
+    """The first fast-mode call of a process keeps freed buffers in the heap (:mod:`fastgen.cli.heap`)."""
+    if not _heap_tuned:
+        _heap_tuned.append(heap.keep_freed_memory())
+
+
 def approximate_here(module: torch.nn.Module) -> bool:
     """Whether this thread runs one of ``module``'s own linears in ``fast_gemm`` or ``int8`` right now: the
     user asked for approximate arithmetic there, so the attention around them may be approximate too."""
@@ -170,6 +180,7 @@ def mode_linears(model: torch.nn.Module, mode: LinearMode, check_weights: bool =
         return
     thread = threading.get_ident()
     with _lock:
+        _keep_freed_memory_once()
         if check_weights:
             extra = sum(mode.prepare(module) for module in modules)
             report.note_ran(mode.feature, f"{len(modules)} linears {mode.what} ({extra / 2**20:.0f} MiB)")

@@ -53,3 +53,26 @@ def test_the_cli_sets_them_for_a_cpu_run(tmp_path, monkeypatch, capsys):
     code = generate_hf.main([str(model), *files, "--no-progress-bar", "--device", "cpu", "--max-new-tokens", "3"])
     assert code == 0
     assert calls == [1]
+
+
+@pytest.mark.parametrize("feature", ["int8", "fast_gemm"])
+def test_the_fast_modes_set_them_once_per_process(feature, monkeypatch):
+    import fastgen
+    from fastgen.optimizer import linear_modes, registry
+    from tests import harness
+
+    if harness.feature_unavailable(feature):
+        pytest.skip(harness.feature_unavailable(feature))
+    calls = []
+    monkeypatch.setattr(heap, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(linear_modes, "_heap_tuned", [])
+    model = harness.tiny_hf_model("bart")
+    inputs = harness.tiny_inputs(model, batch=2)
+    default = sorted(set(registry.known_features()) - registry.OPT_IN_FEATURES)
+    with fastgen.patched(default):
+        model.generate(**inputs, max_new_tokens=2)
+    assert calls == []  # the exact mode leaves malloc alone
+    for _ in range(2):
+        with fastgen.patched([*default, feature]):
+            model.generate(**inputs, max_new_tokens=2)
+    assert calls == [1]

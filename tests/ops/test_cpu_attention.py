@@ -134,7 +134,7 @@ class _Spy:
 
 
 def _generate(model, inputs, features, kernel, monkeypatch, **kwargs):
-    monkeypatch.setenv("FASTGEN_CPU_ATTENTION", "1" if kernel else "0")
+    monkeypatch.setenv("FASTGEN_CPU_KERNELS", "1" if kernel else "0")
     with fastgen.patched(features), torch.inference_mode():
         return model.generate(**inputs, **kwargs)
 

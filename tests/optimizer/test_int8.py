@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastgen
-from fastgen.ops import int8_linear
+from fastgen.ops import cpu_kernels, int8_linear
 from fastgen.optimizer import linear_modes, registry
 from tests import harness
 from tests.conftest import HAS_FAIRSEQ
@@ -107,7 +107,8 @@ def test_onednn_backend_is_the_reference_up_to_float_rounding(rows, k, n, seed, 
 
 
 @pytest.mark.skipif(int8_linear.backend() != "auto", reason="auto needs both fbgemm and oneDNN")
-def test_auto_packs_each_weight_once_for_the_backend_its_first_product_needs():
+def test_auto_packs_each_weight_once_for_the_backend_its_first_product_needs(monkeypatch):
+    monkeypatch.setenv("FASTGEN_CPU_KERNELS", "0")  # without the fused kernels: by product size
     big = int8_linear.Int8Weight(torch.randn(8192, 64), "auto")
     small = int8_linear.Int8Weight(torch.randn(64, 64), "auto")
     assert big.kind == small.kind == "auto" and big.packed is None  # nothing packed before a product
@@ -117,6 +118,32 @@ def test_auto_packs_each_weight_once_for_the_backend_its_first_product_needs():
     assert big._codes is None and small._codes is None  # the codes are dropped once packed
     small.matmul(torch.randn(4096, 64))  # a later, larger product keeps the first choice
     assert small.kind == "fbgemm" and small.nbytes == 64 * 64 + 64 * 4
+
+
+@pytest.mark.skipif(int8_linear.backend() != "auto", reason="auto needs both fbgemm and oneDNN")
+@pytest.mark.skipif(not cpu_kernels.available(), reason=str(cpu_kernels.unavailable_reason()))
+def test_auto_with_the_fused_kernels_takes_onednn_for_every_product():
+    small = int8_linear.Int8Weight(torch.randn(64, 64), "auto")
+    small.matmul(torch.randn(4, 64))
+    assert small.kind == "onednn"
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "int_mm"])
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_fused_kernels_compute_what_torch_ops_compute(backend, rows, monkeypatch):
+    """The CPU kernels' passes (quantize rows, scale rows and add the bias) against torch's ops."""
+    if not cpu_kernels.available():
+        pytest.skip(str(cpu_kernels.unavailable_reason()))
+    weight, bias = _weights(96, 80, seed=rows, zero_row=True)
+    x = torch.randn(rows, 80, generator=torch.Generator().manual_seed(7)) * 3
+    x[0] = 0  # an all-zero row: finite scale, zero codes
+    prepared = int8_linear.Int8Weight(weight, backend)
+    fused = int8_linear.int8_linear(x, prepared, bias)
+    monkeypatch.setenv("FASTGEN_CPU_KERNELS", "0")
+    plain = int8_linear.int8_linear(x, prepared, bias)
+    one_code = x.abs().amax(dim=1, keepdim=True) / 127 * weight.abs().amax(dim=1)  # a code apart at most
+    assert ((fused - plain).abs() <= one_code + 1e-5 * plain.abs() + 1e-5).all()
+    assert torch.equal(fused[0], plain[0]) and not torch.equal(fused, torch.zeros_like(fused))
 
 
 def test_torch_int_mm_is_wrong_for_one_input_feature_so_narrow_weights_are_refused():
@@ -147,7 +174,10 @@ def test_off_by_default():
 #: (largest, mean) logit error relative to the step's largest logit, measured on the tiny models with
 #: margin. Random tiny models are a worst case for per-row activation scales (wide init, outliers: T5
 #: and Llama without a trained norm); quality on a trained model: benchmarks/trained_agreement.py.
-TOLERANCE = {"t5": (0.5, 0.08), "llama": (0.25, 0.04)}
+#: T5's ReLU feed-forward output is one-signed, so the symmetric per-row grid (the reference formula, which
+#: oneDNN computes: int_mm and auto measured 0.65 / 0.10 here) uses half its codes; fbgemm's asymmetric one
+#: measured 0.33 / 0.04.
+TOLERANCE = {"t5": (0.8, 0.15), "llama": (0.25, 0.04)}
 DEFAULT_TOLERANCE = (0.08, 0.02)
 
 

@@ -1,0 +1,98 @@
+// fastgen_cpu::quantize_rows_u8 and fastgen_cpu::scale_rows_add_ — the passes around an int8 product.
+//
+// Why: the int8 mode's oneDNN product takes u8 activation codes and returns int32 sums scaled to
+// float; around it, torch ops took seven passes over the activations and the output (row max as amax
+// and amin, a division, quantize_per_tensor, int_repr, the row scale, the bias), each allocating: on
+// bart-base's encoder (1024 x 768 and 1024 x 3072 inputs) about as long as the products themselves.
+// These two kernels do the same arithmetic in two passes (one reads each row twice from L1/L2).
+//
+// quantize_rows_u8(x (M, K) float32) -> (codes (M, K) uint8, row_max (M, 1) float32):
+//   row_max[m] = max(max_k |x[m, k]|, tiny); codes = clamp(round(x * (127 / row_max)) + 128, 1, 255)
+//   — the int8 reference's symmetric codes in [-127, 127], shifted by 128 into u8 (oneDNN's zero point).
+// scale_rows_add_(y (M, N) float32, row_scale (M, 1), bias (N,) or none): y = y * row_scale + bias, in place.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+constexpr float kTiny = 1e-30f;  // fastgen.ops.int8_linear.TINY: an all-zero row keeps a finite scale
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "quantize_rows_u8: a contiguous 2-D float32 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto codes = at::empty({M, K}, x.options().dtype(at::kByte));
+  auto row_max = at::empty({M, 1}, x.options());
+  const float* src = x.data_ptr<float>();
+  uint8_t* dst = codes.data_ptr<uint8_t>();
+  float* maxes = row_max.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = src + m * K;
+      float peak = 0.0f;
+#pragma omp simd reduction(max : peak)
+      for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::fabs(row[k]));
+      peak = std::max(peak, kTiny);
+      maxes[m] = peak;
+      const float inv = 127.0f / peak;
+      uint8_t* out = dst + m * K;
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) {
+        const float code = std::nearbyint(row[k] * inv);
+        out[k] = static_cast<uint8_t>(static_cast<int32_t>(std::min(std::max(code, -127.0f), 127.0f)) + 128);
+      }
+    }
+  });
+  return {codes, row_max};
+}
+
+at::Tensor& scale_rows_add_(at::Tensor& y, const at::Tensor& row_scale, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat && y.dim() == 2 && y.is_contiguous(),
+              "scale_rows_add_: y must be a contiguous 2-D float32 CPU tensor");
+  const int64_t M = y.size(0), N = y.size(1);
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.numel() == M && row_scale.is_contiguous(),
+              "scale_rows_add_: one float32 scale per row");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
+                "scale_rows_add_: bias must hold one float32 per column");
+    b = bias->data_ptr<float>();
+  }
+  float* data = y.data_ptr<float>();
+  const float* scales = row_scale.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, N)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float* row = data + m * N;
+      const float s = scales[m];
+      if (b != nullptr) {
+#pragma omp simd
+        for (int64_t n = 0; n < N; ++n) row[n] = row[n] * s + b[n];
+      } else {
+#pragma omp simd
+        for (int64_t n = 0; n < N; ++n) row[n] *= s;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastgen_cpu, lib) {
+  lib.def("quantize_rows_u8(Tensor x) -> (Tensor, Tensor)");
+  lib.def("scale_rows_add_(Tensor(a!) y, Tensor row_scale, Tensor? bias) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(fastgen_cpu, CPU, lib) {
+  lib.impl("quantize_rows_u8", &quantize_rows_u8);
+  lib.impl("scale_rows_add_", &scale_rows_add_);
+}
