@@ -10,6 +10,7 @@ machine that runs them (``-march=native``: AVX2 or AVX-512 as the CPU has), with
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -40,10 +41,8 @@ def sources() -> list[Path]:
 def _build_dir() -> Path:
     """Per torch release and CPU (``-march=native`` code must not move to another CPU kind)."""
     flags = platform.processor()
-    try:
+    with contextlib.suppress(OSError):  # no /proc: the processor name
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        pass
     cpu = hashlib.sha256(flags.encode()).hexdigest()[:12]
     root = Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fastgen"))
     return root / "build" / f"torch{_release(torch.__version__)}-cpu-{cpu}"
