@@ -201,8 +201,11 @@ def _per_hypothesis(tensor: Any, batch: int, group: int) -> Any:
     return tensor
 
 
-#: keyword arguments of an attention call that the CPU decode kernel honours (any other: stock attention)
-_KERNEL_KWARGS = frozenset({"dropout", "scaling", "is_causal", "output_attentions", "position_ids", "cache_position"})
+#: keyword arguments of an attention call that the CPU attention kernel honours (any other: stock attention)
+_KERNEL_KWARGS = frozenset(
+    {"dropout", "scaling", "is_causal", "output_attentions", "output_hidden_states", "use_cache", "return_dict"}
+    | {"position_ids", "cache_position"}
+)
 
 
 def _approximate_cpu_attention(
@@ -214,7 +217,7 @@ def _approximate_cpu_attention(
     mask: torch.Tensor | None,
     kwargs: dict[str, Any],
 ) -> torch.Tensor | None:
-    """The CPU decode kernel's output ``(B, M, H, D)`` for an SDPA call of the opt-in fast modes, else None.
+    """The CPU attention kernel's output ``(B, M, H, D)`` for an SDPA call of the opt-in fast modes, else None.
 
     Only where this thread runs the module's projections in ``fast_gemm`` or ``int8`` (approximate
     arithmetic was asked for), the call is what the kernel computes (no dropout, bias, soft-capping,
@@ -233,7 +236,7 @@ def _approximate_cpu_attention(
         return None
     scaling = kwargs.get("scaling")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return cpu_attention.decode_attention(query, key, value, mask, scale)
+    return cpu_attention.attention(query, key, value, mask, scale)
 
 
 def _run_grouped(

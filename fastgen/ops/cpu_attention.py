@@ -1,19 +1,21 @@
-"""Decode-step attention on CPU for the opt-in fast modes: a few query rows over many keys, one pass.
+"""Attention on CPU for the opt-in fast modes: one C++ kernel for decode steps and encoders.
 
-Why: in a CPU beam-search step each input's ``beams x 1`` query rows attend over its encoder keys
+Why: stock SDPA on CPU runs its flash kernel per (batch, head) pair with blocked GEMM calls. In a
+beam-search decode step each input's ``beams x 1`` query rows attend over its encoder keys
 (cross-attention, keys shared across the beams) and each hypothesis' one query over its own cache
-(self-attention). Stock SDPA runs its flash kernel per (batch, head) pair with blocked GEMM calls
-sized for long queries: on bart-base (beam 4, 256 source tokens, one core of an AMD EPYC) a
-cross-attention call took ~620 us where reading its K/V once takes ~200 us, and a self-attention
-call ~100 us for a few KB of work. The C++ kernel (``csrc/cpu/decode_attention.cpp``) reads each key
-and value row once and is 1.5x (cross) and 2.3x (self) faster there.
+(self-attention): on bart-base shapes (beam 4, 256 source tokens, one core of an AMD EPYC with
+AVX-512) SDPA took ~290 us per cross-attention call (hot) where the kernel
+(``csrc/cpu/attention.cpp``) takes ~200, and ~100 us per self-attention call where it takes ~45;
+on the encoder (256 x 256 per pair) 10.7 ms against 8.1 ms. Where it measured slower (head size 128
+with long queries, head sizes like 40 or 80 with several query rows) :func:`supports` leaves the call
+to SDPA.
 
 It sums in another order than SDPA (results agree to float32 rounding, not bit for bit), so only
 ``fast_gemm`` and ``int8`` use it, never the default exact mode. It is built on first use
 (:mod:`fastgen.ops.cpu_kernels`); where it can't be, or with ``FASTGEN_CPU_ATTENTION=0``, the stock
 attention runs (:func:`unavailable_reason` says why).
 
-:func:`decode_attention_reference` is the same computation in torch, for the tests.
+:func:`attention_reference` is the same computation in torch, for the tests.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 
 from fastgen.ops import cpu_kernels
 
-MAX_QUERY_ROWS = 16  # beyond this a GEMM-based kernel (SDPA's) is the better tool
+#: the kernel's way for up to this many query rows (dot products over untransposed keys)
+FEW_QUERY_ROWS = 16
 
 
 def unavailable_reason() -> str | None:
@@ -38,8 +41,11 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: 
     """Whether the kernel takes these tensors (else the caller runs stock attention)."""
     if query.device.type != "cpu" or not (query.dtype == key.dtype == value.dtype == torch.float32):
         return False
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.shape[2] > MAX_QUERY_ROWS:
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return False
+    rows, dim = query.shape[2], query.shape[3]
+    if not (dim == 64 or rows == 1 or (dim == 128 and rows <= FEW_QUERY_ROWS)):
+        return False  # where SDPA measured faster (module docs)
     if key.shape[:2] != query.shape[:2] or value.shape[:3] != key.shape[:3] or key.shape[3] != query.shape[3]:
         return False  # grouped-query heads or odd shapes: SDPA handles them
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
@@ -53,14 +59,14 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: 
     return unavailable_reason() is None
 
 
-def decode_attention(
+def attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """``softmax(scale * q k^T + mask) v`` laid out ``(B, M, H, D)``; call :func:`supports` first."""
-    return torch.ops.fastgen_cpu.decode_attention(query, key, value, mask, float(scale))
+    return torch.ops.fastgen_cpu.attention(query, key, value, mask, float(scale))
 
 
-def decode_attention_reference(
+def attention_reference(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """The kernel's semantics in torch: a bool mask keeps True positions, a float mask is added; a row

@@ -58,7 +58,7 @@ def _disabled() -> str | None:
 
 def _load() -> str | None:
     """Build (or reuse) and load the library; None on success, else why not."""
-    if hasattr(torch.ops, "fastgen_cpu") and hasattr(torch.ops.fastgen_cpu, "decode_attention"):
+    if hasattr(torch.ops, "fastgen_cpu") and hasattr(torch.ops.fastgen_cpu, "attention"):
         return None  # loaded already in this process
     files = sources()
     if not files:

@@ -1,10 +1,12 @@
-"""The CPU decode-attention kernel of the opt-in fast modes (``csrc/cpu/decode_attention.cpp``).
+"""The CPU attention kernel of the opt-in fast modes (``csrc/cpu/attention.cpp``).
 
 What is asserted: the kernel computes its torch reference (float64) to float32 rounding for every mask
-kind and broadcast, strided K/V and odd head sizes, and agrees with SDPA where SDPA is defined; a fully
-masked row gives zeros; ``supports`` refuses what the kernel does not compute; in ``fast_gemm`` and
-``int8`` generation the kernel serves cross- and self-attention and changes no token and no score beyond
-float rounding against the same mode with the kernel off; the default (exact) mode never calls it.
+kind and broadcast, strided K/V, few and many query rows (its two ways) and odd head sizes, and agrees
+with SDPA where SDPA is defined; a fully masked row gives zeros; ``supports`` refuses what the kernel
+does not compute and the shapes where SDPA measured faster; in ``fast_gemm`` and ``int8`` generation the
+kernel serves the encoder's, the cross- and the self-attention and changes no token and no score beyond
+float rounding (fp32) or the quantization grid (int8) against the same mode with the CPU kernels off;
+the default (exact) mode never calls it.
 """
 
 import os
@@ -60,7 +62,7 @@ def _mask(kind, shape, generator):
 @given(
     batch=st.integers(1, 3),
     heads=st.integers(1, 4),
-    rows=st.integers(1, cpu_attention.MAX_QUERY_ROWS),
+    rows=st.integers(1, 3 * cpu_attention.FEW_QUERY_ROWS),
     keys=st.integers(1, 70),
     dim=st.sampled_from([8, 40, 64, 128]),
     seed=st.integers(0, 10**6),
@@ -75,10 +77,9 @@ def test_kernel_is_its_reference_and_sdpa_to_float_rounding(
     shape = (*(1 if b else n for b, n in zip(broadcast, (batch, heads, rows), strict=True)), keys)
     mask = _mask(mask_kind, shape, generator)
     scale = dim**-0.5
-    assert cpu_attention.supports(query, key, value, mask)
-    result = cpu_attention.decode_attention(query, key, value, mask, scale)
+    result = cpu_attention.attention(query, key, value, mask, scale)
     assert result.shape == (batch, rows, heads, dim) and result.is_contiguous()
-    reference = cpu_attention.decode_attention_reference(query, key, value, mask, scale)
+    reference = cpu_attention.attention_reference(query, key, value, mask, scale)
     torch.testing.assert_close(result, reference, rtol=2e-5, atol=2e-6)
     sdpa = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale).transpose(1, 2)
     torch.testing.assert_close(result, sdpa, rtol=2e-5, atol=2e-6)
@@ -92,9 +93,9 @@ def test_a_fully_masked_row_gives_zeros(kind):
     keep = torch.ones(2, 1, 3, 5, dtype=torch.bool)
     keep[1, 0, 2] = False
     mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
-    result = cpu_attention.decode_attention(query, key, value, mask, 0.125)
+    result = cpu_attention.attention(query, key, value, mask, 0.125)
     assert torch.equal(result[1, 2], torch.zeros(2, 64))
-    torch.testing.assert_close(result, cpu_attention.decode_attention_reference(query, key, value, mask, 0.125))
+    torch.testing.assert_close(result, cpu_attention.attention_reference(query, key, value, mask, 0.125))
     assert result[0].abs().sum() > 0
 
 
@@ -104,8 +105,9 @@ def test_supports_refuses_what_the_kernel_does_not_compute():
     assert cpu_attention.supports(query, key, value, None)
     assert not cpu_attention.supports(query.double(), key.double(), value.double(), None)
     assert not cpu_attention.supports(query, key[:, :2], value[:, :2], None)  # grouped-query heads
-    many = torch.randn(2, 4, cpu_attention.MAX_QUERY_ROWS + 1, 64)
-    assert not cpu_attention.supports(many, key, value, None)
+    for rows, dim, taken in ((40, 64, True), (1, 40, True), (4, 128, True), (40, 128, False), (5, 80, False)):
+        q, k, v, _ = _problem(2, 4, rows, 6, dim, seed=0, strided=True)
+        assert cpu_attention.supports(q, k, v, None) is taken, (rows, dim)
     assert not cpu_attention.supports(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value, None)
     assert not cpu_attention.supports(query, key, value, torch.zeros(2, 4, 2, 6, dtype=torch.float16))
     assert not cpu_attention.supports(query, key, value, torch.zeros(2, 4, 2, 7))
@@ -124,13 +126,13 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.rows: list[int] = []
-        real = cpu_attention.decode_attention
+        real = cpu_attention.attention
 
         def counted(query, key, value, mask, scale):
             self.rows.append(query.shape[2])
             return real(query, key, value, mask, scale)
 
-        monkeypatch.setattr(cpu_attention, "decode_attention", counted)
+        monkeypatch.setattr(cpu_attention, "attention", counted)
 
 
 def _generate(model, inputs, features, kernel, monkeypatch, **kwargs):
@@ -138,6 +140,9 @@ def _generate(model, inputs, features, kernel, monkeypatch, **kwargs):
     with fastgen.patched(features), torch.inference_mode():
         return model.generate(**inputs, **kwargs)
 
+
+#: head size 64, where the kernel serves every attention call (supports())
+HEAD_64 = dict(d_model=128, encoder_attention_heads=2, decoder_attention_heads=2)
 
 GENERATIONS = {
     "beam": dict(num_beams=3, max_new_tokens=8, no_repeat_ngram_size=2),
@@ -153,7 +158,7 @@ GENERATIONS = {
 def test_fast_modes_run_the_kernel_and_change_nothing_beyond_rounding(feature, family, search, monkeypatch):
     if harness.feature_unavailable(feature):
         pytest.skip(harness.feature_unavailable(feature))
-    model = harness.tiny_hf_model(family)
+    model = harness.tiny_hf_model(family, **HEAD_64)
     inputs = harness.tiny_inputs(model, batch=3)  # padded rows of different lengths
     assert (inputs["attention_mask"] == 0).any()
     kwargs = dict(GENERATIONS[search], return_dict_in_generate=True, output_scores=True)
@@ -164,6 +169,7 @@ def test_fast_modes_run_the_kernel_and_change_nothing_beyond_rounding(feature, f
     torch.manual_seed(0)
     with_kernel = _generate(model, inputs, features, True, monkeypatch, **kwargs)
     assert 1 in spy.rows  # self-attention of each hypothesis
+    assert inputs["input_ids"].shape[1] in spy.rows  # the encoder's
     if search == "beam":
         assert kwargs["num_beams"] in spy.rows  # cross-attention, beams grouped over the shared K/V
     assert torch.equal(without.sequences, with_kernel.sequences)
