@@ -23,7 +23,7 @@ class BuildPyWithSources(build_py):
         for source in sorted(glob.glob("csrc/*.cu") + glob.glob("csrc/*.h") + glob.glob("csrc/*.cpp")):
             shutil.copy(source, target)
         os.makedirs(os.path.join(target, "cpu"), exist_ok=True)
-        for source in sorted(glob.glob("csrc/cpu/*.cpp")):  # the CPU kernels, JIT-built on first use
+        for source in sorted(glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/cpu/*.h")):  # CPU kernels, JIT-built
             shutil.copy(source, os.path.join(target, "cpu"))
 
 

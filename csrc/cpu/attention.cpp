@@ -33,23 +33,19 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-// a vector of kLanes floats; aligned(4): loads and stores through it may be unaligned
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+using fastgen_cpu::kLanes;
+using fastgen_cpu::load;
+using fastgen_cpu::store;
+using fastgen_cpu::vfloat;
 
 constexpr int64_t kRows = 4;      // query rows per block
 constexpr int kColVecs = kLanes == 16 ? 4 : 2;  // vectors of scores per row in the micro-kernel (registers)
 constexpr int64_t kDotRows = 16;  // up to this many query rows: dot products, no transposed K
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat*>(p); }
-inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat*>(p) = v; }
 
 // exp with ~1 ulp error (Cody-Waite reduction, Cephes' polynomial), written so the compiler vectorizes
 // it (libm's expf is a call per element); below -87.3 (and -inf) it gives 0.

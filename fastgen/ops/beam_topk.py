@@ -50,6 +50,7 @@ from typing import NamedTuple
 
 import torch
 
+from fastgen.ops import cpu_kernels
 from fastgen.ops._dispatch import BACKENDS, TritonKernels, choose_backend, device_problem, without_cuda_device
 
 __all__ = ["BACKENDS", "BeamTopK", "available_backends", "beam_topk", "log_probs_top_k"]
@@ -100,8 +101,30 @@ def log_probs_top_k(log_probs: torch.Tensor, beam_scores: torch.Tensor, k: int) 
     vocab = log_probs.shape[1]
     grouped = log_probs.view(batch, beams, vocab)
     grouped.add_(beam_scores.unsqueeze(-1))  # elementwise, so bit-identical to HF's out-of-place add
-    values, flat = torch.topk(grouped.view(batch, beams * vocab), k)
+    values, flat = top_k(grouped.view(batch, beams * vocab), k)
     return BeamTopK(values, torch.div(flat, vocab, rounding_mode="floor"), flat % vocab)
+
+
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(scores, k)`` of a 2-D float32 CPU tensor, bit for bit; where fastgen's CPU kernels are
+    loaded already (a fast mode built them) through ``topk_distinct``, which returns torch's result for
+    every row whose best k + 1 values are distinct and hands the other rows back to ``torch.topk``.
+    Measured on one AMD EPYC core: 4 rows of 201,060 scores (bart-base, beam 4), 650 us -> ~20 us."""
+    if (
+        scores.device.type != "cpu"
+        or scores.dtype != torch.float32
+        or scores.dim() != 2
+        or not 1 <= k < scores.shape[1]
+        or not scores.is_contiguous()
+        or torch.compiler.is_compiling()
+        or not cpu_kernels.loaded()
+    ):
+        return torch.topk(scores, k)
+    values, indices, distinct = torch.ops.fastgen_cpu.topk_distinct(scores, k)
+    if not bool(distinct.all()):
+        tied = (~distinct).nonzero().squeeze(1)
+        values[tied], indices[tied] = torch.topk(scores[tied], k)
+    return values, indices
 
 
 def _reference(

@@ -99,3 +99,9 @@ def unavailable_reason() -> str | None:
 
 def available() -> bool:
     return unavailable_reason() is None
+
+
+def loaded() -> bool:
+    """Whether the kernels are loaded in this process already (never builds them): for exact paths that
+    may use them (same bits) but should not make the default mode compile anything."""
+    return _state.get("reason", "not loaded") is None and _disabled() is None
