@@ -464,6 +464,9 @@ def test_the_step_runs_a_fixed_number_of_ops_and_no_sync(models, monkeypatch, fa
     from fastgen.ops import ngram
 
     monkeypatch.setenv(beam_search.STOP_CHECK_ENV, "1000")
+    # the CPU-only top-k kernel checks its rows for ties on the host (free on a CPU): this test is about
+    # the loop's device-agnostic ops, so it runs torch.topk as on a GPU
+    monkeypatch.setenv("FASTGEN_CPU_KERNELS", "0")
     write = ngram._write_banned
     monkeypatch.setattr(ngram, "_write_banned", lambda *args: write(*args[:4], sync_free=True))
     model = models[family]
