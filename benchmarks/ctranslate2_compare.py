@@ -36,7 +36,8 @@ import torch
 import fastgen
 from benchmarks.measure import cpu_isa, environment, rotating_order
 from benchmarks.scenarios import SCENARIOS
-from fastgen.ops import linear
+from fastgen.ops import cpu_kernels, linear
+from fastgen.optimizer import linear_modes
 from fastgen.optimizer.linear_modes import int8_linears, packed_linears
 
 MODES: dict[str, dict[str, Any]] = {
@@ -249,6 +250,10 @@ def main(argv: list[str] | None = None) -> None:
         "ctranslate2": getattr(ctranslate2, "__version__", None),
         "environment": environment("cpu"),
         "cpu_isa": cpu_isa(),
+        # fastgen's fast modes set glibc's malloc thresholds at their first call (fastgen.cli.heap): from
+        # then on every candidate of this process, upstream and CTranslate2 included, runs with them
+        "malloc_thresholds_set_by_fastgen": bool(linear_modes._heap_tuned and linear_modes._heap_tuned[0]),
+        "cpu_kernels": cpu_kernels.unavailable_reason() or "loaded (fastgen.ops.cpu_kernels)",
         "modes": results,
     }
     out = args.out or Path(__file__).resolve().parent / "results" / f"ctranslate2-{args.scenario}-{args.threads}t.json"
