@@ -40,31 +40,13 @@ namespace {
 using fastgen_cpu::kLanes;
 using fastgen_cpu::load;
 using fastgen_cpu::store;
+using fastgen_cpu::vexp;
 using fastgen_cpu::vfloat;
 
 constexpr int64_t kRows = 4;      // query rows per block
 constexpr int kColVecs = kLanes == 16 ? 4 : 2;  // vectors of scores per row in the micro-kernel (registers)
 constexpr int64_t kDotRows = 16;  // up to this many query rows: dot products, no transposed K
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp with ~1 ulp error (Cody-Waite reduction, Cephes' polynomial), written so the compiler vectorizes
-// it (libm's expf is a call per element); below -87.3 (and -inf) it gives 0.
-inline float vexp(float x) {
-  const float clamped = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  const float r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.3f ? 0.0f : p * scale;
-}
 
 struct Strides {
   int64_t b, h, m, s;

@@ -9,7 +9,9 @@
 // quantize_rows_u8(x (M, K) float32) -> (codes (M, K) uint8, row_max (M, 1) float32):
 //   row_max[m] = max(max_k |x[m, k]|, tiny); codes = clamp(round(x * (127 / row_max)) + 128, 1, 255)
 //   — the int8 reference's symmetric codes in [-127, 127], shifted by 128 into u8 (oneDNN's zero point).
-// scale_rows_add_(y (M, N) float32, row_scale (M, 1), bias (N,) or none): y = y * row_scale + bias, in place.
+// scale_rows_add_(y (M, N) float32, row_scale (M, 1), bias (N,) or none, activation):
+//   y = act(y * row_scale + bias), in place; activation 0 none, 1 GELU (erf form, |error| < 1e-7 * |y|),
+//   2 ReLU, 3 SiLU — the feed-forward activation fused into the pass that scales fc1's output.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,7 +24,33 @@
 #include <optional>
 #include <tuple>
 
+#include "vec.h"
+
 namespace {
+
+using fastgen_cpu::verf;
+using fastgen_cpu::vexp;
+
+enum Activation : int64_t { kNone = 0, kGelu = 1, kRelu = 2, kSilu = 3 };
+
+template <int64_t kAct>
+inline float activate(float v) {
+  if constexpr (kAct == kGelu) return 0.5f * v * (1.0f + verf(v * 0.70710678118654752f));
+  if constexpr (kAct == kRelu) return v > 0.0f ? v : 0.0f;
+  if constexpr (kAct == kSilu) return v / (1.0f + vexp(-v));
+  return v;
+}
+
+template <int64_t kAct>
+void scale_row(float* row, int64_t N, float s, const float* b) {
+  if (b != nullptr) {
+#pragma omp simd
+    for (int64_t n = 0; n < N; ++n) row[n] = activate<kAct>(row[n] * s + b[n]);
+  } else {
+#pragma omp simd
+    for (int64_t n = 0; n < N; ++n) row[n] = activate<kAct>(row[n] * s);
+  }
+}
 
 constexpr float kTiny = 1e-30f;  // fastgen.ops.int8_linear.TINY: an all-zero row keeps a finite scale
 
@@ -55,7 +83,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor& x) {
   return {codes, row_max};
 }
 
-at::Tensor& scale_rows_add_(at::Tensor& y, const at::Tensor& row_scale, const std::optional<at::Tensor>& bias) {
+at::Tensor& scale_rows_add_(at::Tensor& y, const at::Tensor& row_scale, const std::optional<at::Tensor>& bias,
+                            int64_t activation) {
+  TORCH_CHECK(activation >= kNone && activation <= kSilu, "scale_rows_add_: unknown activation ", activation);
   TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat && y.dim() == 2 && y.is_contiguous(),
               "scale_rows_add_: y must be a contiguous 2-D float32 CPU tensor");
   const int64_t M = y.size(0), N = y.size(1);
@@ -72,13 +102,18 @@ at::Tensor& scale_rows_add_(at::Tensor& y, const at::Tensor& row_scale, const st
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, N)), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       float* row = data + m * N;
-      const float s = scales[m];
-      if (b != nullptr) {
-#pragma omp simd
-        for (int64_t n = 0; n < N; ++n) row[n] = row[n] * s + b[n];
-      } else {
-#pragma omp simd
-        for (int64_t n = 0; n < N; ++n) row[n] *= s;
+      switch (activation) {
+        case kGelu:
+          scale_row<kGelu>(row, N, scales[m], b);
+          break;
+        case kRelu:
+          scale_row<kRelu>(row, N, scales[m], b);
+          break;
+        case kSilu:
+          scale_row<kSilu>(row, N, scales[m], b);
+          break;
+        default:
+          scale_row<kNone>(row, N, scales[m], b);
       }
     }
   });
@@ -89,7 +124,7 @@ at::Tensor& scale_rows_add_(at::Tensor& y, const at::Tensor& row_scale, const st
 
 TORCH_LIBRARY_FRAGMENT(fastgen_cpu, lib) {
   lib.def("quantize_rows_u8(Tensor x) -> (Tensor, Tensor)");
-  lib.def("scale_rows_add_(Tensor(a!) y, Tensor row_scale, Tensor? bias) -> Tensor(a!)");
+  lib.def("scale_rows_add_(Tensor(a!) y, Tensor row_scale, Tensor? bias, int activation=0) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(fastgen_cpu, CPU, lib) {

@@ -2,7 +2,10 @@
 // them onto the CPU it builds for (-march=native: AVX-512 zmm or AVX2 ymm registers).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace fastgen_cpu {
 
@@ -17,5 +20,33 @@ typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t)), align
 
 inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat*>(p); }
 inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat*>(p) = v; }
+
+// exp with ~1 ulp error (Cody-Waite reduction, Cephes' polynomial), written so the compiler vectorizes
+// it in a loop (libm's expf is a call per element); below -87.3 (and -inf) it gives 0.
+inline float vexp(float x) {
+  const float clamped = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.3f ? 0.0f : p * scale;
+}
+
+// erf with absolute error < 1.5e-7 (Abramowitz & Stegun 7.1.26), vectorizable like vexp
+inline float verf(float x) {
+  const float a = std::fabs(x);
+  const float t = 1.0f / (1.0f + 0.3275911f * a);
+  const float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+  const float y = 1.0f - poly * vexp(-a * a);
+  return std::copysign(y, x);
+}
 
 }  // namespace fastgen_cpu

@@ -51,6 +51,9 @@ import torch
 from fastgen.ops import cpu_kernels
 from fastgen.ops.fast_linear import runs_packed
 
+#: the activations ``matmul`` can apply (codes of ``fastgen_cpu::scale_rows_add_``), in torch
+ACTIVATIONS = {1: torch.nn.functional.gelu, 2: torch.nn.functional.relu, 3: torch.nn.functional.silu}
+
 #: ``FASTGEN_INT8_BACKEND=int_mm`` forces the slower exact-reference backend (tests, bisecting).
 BACKEND_ENV = "FASTGEN_INT8_BACKEND"
 
@@ -222,8 +225,9 @@ class Int8Weight:
             raise ValueError(f"unknown int8 backend {kind!r}")
         self.kind, self._codes = kind, None
 
-    def matmul(self, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x2 @ W.T + bias`` in int8 for a contiguous ``(M, K)`` float32 input."""
+    def matmul(self, x2: torch.Tensor, bias: torch.Tensor | None = None, activation: int = 0) -> torch.Tensor:
+        """``act(x2 @ W.T + bias)`` in int8 for a contiguous ``(M, K)`` float32 input; ``activation``: 0 none,
+        1 GELU (erf), 2 ReLU, 3 SiLU (fused into the scaling pass where the CPU kernels run)."""
         if self._codes is not None:
             with self._lock:
                 if self._codes is not None:
@@ -232,12 +236,12 @@ class Int8Weight:
         if self.kind == "onednn" and fused:  # quantization in one kernel, scales and bias in another
             codes, row_max = torch.ops.fastgen_cpu.quantize_rows_u8(x2)
             y = self._onednn(codes)
-            return torch.ops.fastgen_cpu.scale_rows_add_(y, row_max.div_(127), bias)
+            return torch.ops.fastgen_cpu.scale_rows_add_(y, row_max.div_(127), bias, activation)
         row_max = _row_max(x2)
         if self.kind == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2 / row_max, self.packed, self.reduce_range)
             if fused:
-                return torch.ops.fastgen_cpu.scale_rows_add_(y, row_max, bias)
+                return torch.ops.fastgen_cpu.scale_rows_add_(y, row_max, bias, activation)
             y.mul_(row_max)
         elif self.kind == "onednn":
             with warnings.catch_warnings():  # rows over their max|x|, then one vectorised u8 pass
@@ -248,7 +252,8 @@ class Int8Weight:
             scale_x = row_max / 127
             xq = torch.round(x2 / scale_x).clamp_(-127, 127).to(torch.int8)
             y = torch._int_mm(xq, self.packed).to(torch.float32).mul_(scale_x * self.scale)
-        return y if bias is None else y.add_(bias)
+        y = y if bias is None else y.add_(bias)
+        return ACTIVATIONS[activation](y) if activation else y
 
     def _onednn(self, codes: torch.Tensor) -> torch.Tensor:
         """oneDNN's ``u8 x s8`` product of codes with zero point 128, the weight scales applied."""
@@ -267,10 +272,11 @@ def prepare(weight: torch.Tensor) -> Int8Weight:
 runs_int8 = runs_packed
 
 
-def int8_linear(x: torch.Tensor, prepared: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` with ``W`` int8-prepared (module docstring); ``x`` float32, any leading dims."""
+def int8_linear(x: torch.Tensor, prepared: Int8Weight, bias: torch.Tensor | None, activation: int = 0) -> torch.Tensor:
+    """``act(x @ W.T + bias)`` with ``W`` int8-prepared (module docstring); ``x`` float32, any leading dims;
+    ``activation`` as :meth:`Int8Weight.matmul`."""
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    y = prepared.matmul(x2, bias)
+    y = prepared.matmul(x2, bias, activation)
     return y.reshape(*x.shape[:-1], prepared.out_features)

@@ -31,7 +31,7 @@ from fastgen.cli import heap
 from fastgen.ops import fast_linear, int8_linear
 from fastgen.ops.fast_linear import is_conv1d
 from fastgen.ops.weight_cache import DerivedWeights
-from fastgen.optimizer import report
+from fastgen.optimizer import fused_activation, report
 from fastgen.optimizer.registry import fallback
 
 __all__ = [
@@ -69,6 +69,10 @@ _int8_weights = DerivedWeights(_int8_prepare)
 def _int8_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not int8_linear.runs_int8(module.weight, x) or not _entered_here(module):
         return type(module).forward(module, x)
+    activation = _fused_activations.get(id(module))
+    if activation is not None and fused_activation.may_fuse(module):  # the layer's activation, in one pass
+        y = int8_linear.int8_linear(x, _int8_weights.get(module), module.bias, activation[1])
+        return fused_activation.remember_fused(y)
     return int8_linear.int8_linear(x, _int8_weights.get(module), module.bias)
 
 
@@ -106,6 +110,8 @@ INT8 = LinearMode(
 )
 
 _lock = threading.Lock()
+#: id(fc1) -> (its layer, activation code) while an int8 scope fuses the layer's activation into fc1
+_fused_activations: dict[int, tuple[torch.nn.Module, int]] = {}
 _installed: dict[int, tuple[str, int]] = {}  # id(linear) -> (feature, generate calls using its forward)
 _threads: dict[int, dict[int, int]] = {}  # id(linear) -> {thread that entered a scope over it: how many times}
 
@@ -184,10 +190,18 @@ def mode_linears(model: torch.nn.Module, mode: LinearMode, check_weights: bool =
         if check_weights:
             extra = sum(mode.prepare(module) for module in modules)
             report.note_ran(mode.feature, f"{len(modules)} linears {mode.what} ({extra / 2**20:.0f} MiB)")
+        fusable = (
+            dict((id(layer.fc1), (layer, code)) for layer, code in fused_activation.fusable_layers(model, modules))
+            if mode is INT8
+            else {}
+        )
         for module in modules:
             feature, count = _installed.get(id(module), (mode.feature, 0))
             if count == 0:
                 module.forward = types.MethodType(mode.forward, module)
+                if id(module) in fusable:
+                    layer, _ = _fused_activations[id(module)] = fusable[id(module)]
+                    layer.activation_fn = fused_activation.PassThroughFused(layer.activation_fn)
             _installed[id(module)] = (feature, count + 1)
             threads = _threads.setdefault(id(module), {})
             threads[thread] = threads.get(thread, 0) + 1
@@ -204,6 +218,9 @@ def mode_linears(model: torch.nn.Module, mode: LinearMode, check_weights: bool =
                 if count == 1:
                     del _installed[id(module)], _threads[id(module)]
                     del module.forward
+                    fused = _fused_activations.pop(id(module), None)
+                    if fused is not None:
+                        fused[0].activation_fn = fused[0].activation_fn.original
                 else:
                     _installed[id(module)] = (feature, count - 1)
 
