@@ -80,18 +80,20 @@ def _backend_lines(device: str) -> list[str]:
 
 def _cpu_mode_lines() -> list[str]:
     """The opt-in CPU linear modes' kernels here (fast_gemm: oneDNN; int8: fbgemm, oneDNN or torch._int_mm)."""
-    from fastgen.ops import fast_linear, int8_linear
+    from fastgen.ops import cpu_kernels, fast_linear, int8_linear
 
     isa = [flag for flag in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if flag in int8_linear.cpu_flags()]
     int8 = int8_linear.unavailable() or (
         f"{int8_linear.backend()}"
-        + (" (fbgemm or oneDNN, per weight)" if int8_linear.backend() == "auto" else "")
+        + (" (oneDNN with the CPU kernels, else per weight)" if int8_linear.backend() == "auto" else "")
         + (", 7-bit activations (no VNNI)" if int8_linear.reduce_range() else "")
     )
     return [
         f"CPU instruction sets: {', '.join(isa) or 'unknown'}",
         f"  fast_gemm (oneDNN packed fp32): {fast_linear.unavailable() or 'ok'}",
         f"  int8: {int8}",
+        # builds them on first use (seconds, once per torch release and CPU)
+        f"  CPU kernels (attention, int8 passes, top-k): {cpu_kernels.unavailable_reason() or 'built and loaded'}",
     ]
 
 

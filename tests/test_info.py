@@ -14,6 +14,7 @@ def test_info_reports_every_section():
     from fastgen.ops import int8_linear
 
     assert "CPU instruction sets: " in out and f"  int8: {int8_linear.backend()}" in out
+    assert "  CPU kernels (attention, int8 passes, top-k): " in out
     # Transformers' targets are imported first, so their patches are resolved, not pending.
     lines = out.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("transformers.")]
