@@ -15,7 +15,9 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -68,15 +70,31 @@ def _load() -> str | None:
     build_dir = _build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("%sbuilding the CPU kernels into %s (first use only)", origin(), build_dir)
-    cpp_extension.load(
-        name="fastgen_cpu_kernels",
-        sources=[str(f) for f in files],
-        build_directory=str(build_dir),
-        extra_cflags=CFLAGS,
-        is_python_module=False,
-        verbose=False,
-    )
+    with _ninja_on_path():
+        cpp_extension.load(
+            name="fastgen_cpu_kernels",
+            sources=[str(f) for f in files],
+            build_directory=str(build_dir),
+            extra_cflags=CFLAGS,
+            is_python_module=False,
+            verbose=False,
+        )
     return None
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """The ``ninja`` wheel's binary on PATH for the build, where no other ninja is (a venv not activated)."""
+    original = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError, AttributeError):
+            import ninja
+
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, original])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = original
 
 
 def unavailable_reason() -> str | None:
