@@ -29,7 +29,7 @@ import fastgen.ops._ext as ext
 where = pathlib.Path(fastgen.__file__).resolve()
 assert "site-packages" in where.parts, f"fastgen imported from {where}, not from the installed wheel"
 assert (ext._CSRC / "bindings.cpp").is_file() and list(ext._CSRC.glob("*.cu")), f"no CUDA sources in {ext._CSRC}"
-assert (ext._CSRC / "cpu" / "decode_attention.cpp").is_file(), f"no CPU kernel source in {ext._CSRC}"
+assert (ext._CSRC / "cpu" / "attention.cpp").is_file(), f"no CPU kernel source in {ext._CSRC}"
 print("fastgen", fastgen.__version__, "from", where.parent)
 PY
 "$VPY" -m fastgen.info >info.txt
