@@ -27,9 +27,14 @@ from fastgen.ops._ext import _CSRC, _release
 
 logger = logging.getLogger("fastgen")
 
-#: vectorize for this CPU; reductions may reassociate (a tree instead of a chain); no errno from libm
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math"]  # fmt: skip
+#: reductions may reassociate (a tree instead of a chain); no errno from libm
+CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+#: the CPU to vectorize for: ``native`` (this one); ``FASTGEN_CPU_MARCH=haswell`` builds the AVX2 path (tests)
+MARCH_ENV = "FASTGEN_CPU_MARCH"
+
+
+def _march() -> str:
+    return os.environ.get(MARCH_ENV, "native").strip() or "native"
 OFF = frozenset({"0", "false", "no", "off"})
 
 _lock = threading.Lock()
@@ -45,7 +50,7 @@ def _build_dir() -> Path:
     flags = platform.processor()
     with contextlib.suppress(OSError):  # no /proc: the processor name
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    cpu = hashlib.sha256(flags.encode()).hexdigest()[:12]
+    cpu = hashlib.sha256(f"{flags} {_march()}".encode()).hexdigest()[:12]
     root = Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fastgen"))
     return root / "build" / f"torch{_release(torch.__version__)}-cpu-{cpu}"
 
@@ -75,7 +80,7 @@ def _load() -> str | None:
             name="fastgen_cpu_kernels",
             sources=[str(f) for f in files],
             build_directory=str(build_dir),
-            extra_cflags=CFLAGS,
+            extra_cflags=[*CFLAGS, f"-march={_march()}"],
             is_python_module=False,
             verbose=False,
         )
