@@ -35,6 +35,8 @@ MARCH_ENV = "FASTGEN_CPU_MARCH"
 
 def _march() -> str:
     return os.environ.get(MARCH_ENV, "native").strip() or "native"
+
+
 OFF = frozenset({"0", "false", "no", "off"})
 
 _lock = threading.Lock()
