@@ -203,9 +203,9 @@ def _per_hypothesis(tensor: Any, batch: int, group: int) -> Any:
 
 #: keyword arguments of an attention call that the CPU attention kernel honours (any other: stock attention)
 _KERNEL_KWARGS = frozenset(
-    {"dropout", "scaling", "is_causal", "output_attentions", "output_hidden_states", "use_cache", "return_dict"}
-    | {"position_ids", "cache_position"}
-)
+    {"dropout", "scaling", "is_causal", "output_attentions", "output_hidden_states", "use_cache", "return_dict",
+     "position_ids", "cache_position"}
+)  # fmt: skip
 
 
 def _approximate_cpu_attention(
@@ -215,6 +215,7 @@ def _approximate_cpu_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     mask: torch.Tensor | None,
+    args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> torch.Tensor | None:
     """The CPU attention kernel's output ``(B, M, H, D)`` for an SDPA call of the opt-in fast modes, else None.
@@ -224,7 +225,7 @@ def _approximate_cpu_attention(
     attention weights or causal masking left to SDPA), and the tensors suit it
     (:func:`fastgen.ops.cpu_attention.supports`). Never under ``torch.compile`` (an opaque op there).
     """
-    if getattr(attention, "__name__", None) != "sdpa_attention_forward" or torch.compiler.is_compiling():
+    if args or getattr(attention, "__name__", None) != "sdpa_attention_forward" or torch.compiler.is_compiling():
         return None
     if not kwargs.keys() <= _KERNEL_KWARGS or kwargs.get("dropout") or kwargs.get("output_attentions"):
         return None
@@ -274,7 +275,7 @@ def _run_grouped(
     if bias is not None:
         kwargs = {**kwargs, "position_bias": bias}
     grouped = group_beam_queries(query, group)
-    fast = None if args else _approximate_cpu_attention(attention, module, grouped, key, value, mask, kwargs)
+    fast = _approximate_cpu_attention(attention, module, grouped, key, value, mask, args, kwargs)
     if fast is not None:
         return ungroup_beam_output(fast, group), None
     output, weights = attention(module, grouped, key, value, mask, *args, **kwargs)
@@ -305,11 +306,7 @@ def grouped_attention(attention: AttentionFunction) -> AttentionFunction:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows, kv_rows = query.shape[0], key.shape[0]
         if rows == kv_rows or kv_rows == 0 or rows % kv_rows or not is_shared_kv_attention_module(type(module)):
-            fast = (
-                None
-                if args
-                else _approximate_cpu_attention(attention, module, query, key, value, attention_mask, kwargs)
-            )
+            fast = _approximate_cpu_attention(attention, module, query, key, value, attention_mask, args, kwargs)
             if fast is not None:
                 return fast, None
             return attention(module, query, key, value, attention_mask, *args, **kwargs)

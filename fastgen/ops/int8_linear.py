@@ -51,8 +51,9 @@ import torch
 from fastgen.ops import cpu_kernels
 from fastgen.ops.fast_linear import runs_packed
 
-#: the activations ``matmul`` can apply (codes of ``fastgen_cpu::scale_rows_add_``), in torch
-ACTIVATIONS = {1: torch.nn.functional.gelu, 2: torch.nn.functional.relu, 3: torch.nn.functional.silu}
+#: the activations ``matmul`` can apply: codes of ``fastgen_cpu::scale_rows_add_`` and their torch forms
+GELU, RELU, SILU = 1, 2, 3
+ACTIVATIONS = {GELU: torch.nn.functional.gelu, RELU: torch.nn.functional.relu, SILU: torch.nn.functional.silu}
 
 #: ``FASTGEN_INT8_BACKEND=int_mm`` forces the slower exact-reference backend (tests, bisecting).
 BACKEND_ENV = "FASTGEN_INT8_BACKEND"

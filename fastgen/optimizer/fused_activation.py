@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fastgen.ops.int8_linear import GELU, RELU, SILU
+
 #: layer classes whose forward is ``hidden_states = self.activation_fn(self.fc1(hidden_states))``
 #: (checked against Transformers 5.23/5.24 sources)
 LAYERS = frozenset(
@@ -37,14 +39,13 @@ LAYERS = frozenset(
     for part in ("Encoder", "Decoder")
 )
 
-#: activation codes of ``fastgen_cpu::scale_rows_add_`` (torch forms: ``int8_linear.ACTIVATIONS``)
-GELU, RELU, SILU = 1, 2, 3
 
 _local = threading.local()
 
 
 def activation_code(activation: Any) -> int | None:
-    """The kernel's code for an activation module, or None when it is not one it computes exactly so."""
+    """The kernel's code (``int8_linear.ACTIVATIONS``) for an activation module, or None when it is not
+    one the kernel computes exactly so."""
     name = f"{type(activation).__module__}.{type(activation).__qualname__}"
     if name == "transformers.activations.GELUActivation" and getattr(activation, "act", None) is F.gelu:
         return GELU
