@@ -12,13 +12,13 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$BUILD_PY" -m build --sdist --wheel --outdir "$tmp/dist" . >"$tmp/build.log" 2>&1 || { cat "$tmp/build.log"; exit 1; }
 ls "$tmp"/dist
-tar -tzf "$tmp"/dist/fastgen-*.tar.gz >"$tmp/sdist.txt"
+tar -tzf "$tmp"/dist/fastgen_seq-*.tar.gz >"$tmp/sdist.txt"
 grep -q "csrc/bindings.cpp" "$tmp/sdist.txt"  # the sdist can rebuild the wheel
 "$PY" -m venv "$tmp/venv"
 VPY=$tmp/venv/bin/python
 # torch first, the CPU build (a plain "torch" requirement may pull a multi-GB CUDA build), as scripts/setup.sh
 "$VPY" -m pip install -q --no-compile "torch==${FASTGEN_TORCH_VERSION:-2.13.0}"
-"$VPY" -m pip install -q --no-compile "$tmp"/dist/fastgen-*.whl
+"$VPY" -m pip install -q --no-compile "$tmp"/dist/fastgen_seq-*.whl
 cd "$tmp"  # away from the checkout: only the installed wheel can be imported
 "$VPY" - <<'PY'
 import pathlib

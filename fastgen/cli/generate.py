@@ -80,7 +80,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 # fairseq is not a dependency of the wheel (ve-fairseq must go in with --no-deps, see scripts/setup.sh).
-INSTALL_FAIRSEQ = "pip install 'fastgen[fairseq]' && pip install --no-deps ve-fairseq==0.12.3"
+INSTALL_FAIRSEQ = "pip install 'fastgen-seq[fairseq]' && pip install --no-deps ve-fairseq==0.12.3"
 
 
 def _fairseq_missing() -> str | None:
