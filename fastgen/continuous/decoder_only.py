@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from fastgen.continuous.cache import SlotLayer
+from fastgen.continuous.online import WAIT, Online, cancelled_positions, numbered
 from fastgen.continuous.scheduler import _as_ids, _next_seed, linear_features, linear_scope
 from fastgen.continuous.search import Finished, SearchState
 from fastgen.continuous.settings import Settings, cache_kwarg
@@ -142,10 +143,13 @@ def run_decoder_only(
     generate_kwargs: dict[str, Any],
     stats: dict[str, int] | None = None,
     seeds: Iterator[int] | None = None,
-) -> Iterator[Finished]:
+    online: Online | None = None,
+) -> Iterator[Finished | None]:
     """Generate every input, yielding :class:`Finished` results in input order.
 
     ``seeds``: when sampling, each input's random-stream seed, in input order (needed then).
+    ``online``: inputs that arrive while the loop runs (:mod:`fastgen.continuous.online`): results then
+    leave as they finish, with ``None`` yielded at every step boundary.
 
     ``stats``: filled in place with ``steps`` (decode forwards), ``rows`` (rows summed over them) and
     ``prefills`` (prompt forwards).
@@ -153,7 +157,7 @@ def run_decoder_only(
     slots = max(1, batch_rows // settings.rows_per_input)
     state = SearchState(settings, model.device)
     cache = PromptSlotCache(model.config.num_hidden_layers)
-    queue = enumerate(inputs)
+    queue = numbered(inputs)
     exhausted = False
     ready: dict[int, Finished] = {}
     next_out = 0
@@ -163,12 +167,17 @@ def run_decoder_only(
     report.note_ran(FEATURE, "continuous batching (decoder-only)")
     checked = False  # the weights' int8/packed copies are checked on the first step only
     while True:
+        keep = cancelled_positions(state.indices, online)
+        if keep is not None:  # cancelled inputs leave at the step boundary, without a result
+            _keep_inputs(state, cache, keep, None)
         newcomers: list[tuple[int, torch.Tensor, int | None]] = []
         while not exhausted and len(state) + len(newcomers) < slots:
             item = next(queue, None)
             if item is None:
                 exhausted = True
                 continue
+            if item is WAIT:
+                break
             seed = None if seeds is None else _next_seed(seeds, item[0])
             if (ids := _joining(model, settings, item, seed, generate_kwargs, ready)) is not None:
                 newcomers.append((item[0], ids, seed))
@@ -176,9 +185,16 @@ def run_decoder_only(
             with torch.no_grad(), linear_scope(model, not checked, features):  # generate's GEMM forms
                 checked = True
                 order, done = _step(model, state, cache, newcomers, stats)
+                if online is not None and online.on_step is not None:
+                    online.on_step(state)
                 _retire(state, cache, order, done, ready)
         elif exhausted:
             break
+        if online is not None:
+            yield from ready.values()
+            ready.clear()
+            yield None  # a step boundary (or idle)
+            continue
         while next_out in ready:
             yield ready.pop(next_out)
             next_out += 1
@@ -261,6 +277,11 @@ def _retire(
             result = state.result(position)
             ready[result.index] = result
     keep = [i for i, d in enumerate(done) if not d]
+    _keep_inputs(state, cache, keep, order)
+
+
+def _keep_inputs(state: SearchState, cache: PromptSlotCache, keep: list[int], order: torch.Tensor | None) -> None:
+    """Keep only the running inputs at positions ``keep`` (after the beam ``order``, in the same copy)."""
     inputs = torch.tensor(keep, dtype=torch.long, device=state.device)
     rows = (inputs[:, None] * state.beams + torch.arange(state.beams, device=state.device)).reshape(-1)
     state.remove(keep)

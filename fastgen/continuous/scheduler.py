@@ -24,6 +24,7 @@ import torch
 
 from fastgen.continuous import model as model_calls
 from fastgen.continuous.cache import SlotCache
+from fastgen.continuous.online import WAIT, Online, cancelled_positions, numbered
 from fastgen.continuous.search import Finished, SearchState
 from fastgen.continuous.settings import Settings
 from fastgen.optimizer import registry, report
@@ -81,9 +82,12 @@ def run_continuous(
     share: bool | None = None,
     stats: dict[str, int] | None = None,
     seeds: Iterable[int] | None = None,
-) -> Iterator[Finished]:
+    online: Online | None = None,
+) -> Iterator[Finished | None]:
     """Generate every input, yielding :class:`Finished` results in input order.
 
+    ``online``: inputs that arrive while the loop runs (:mod:`fastgen.continuous.online`): results then
+    leave as they finish, with ``None`` yielded at every step boundary.
     ``share``: one cross K/V row per input (None: when fastgen's grouped attention is installed).
     ``stats``: filled in place with ``steps`` (decoder forwards) and ``rows`` (rows summed over steps).
     ``seeds``: when sampling, each input's random-stream seed, in input order (needed then).
@@ -99,7 +103,7 @@ def run_continuous(
     encoder_lengths: list[int] = []  # per running input
     masks = _CrossMask(cross_rows)
     ahead = _Encoded()  # inputs encoded before they join (one encoder call per ``slots`` inputs)
-    queue = enumerate(inputs)
+    queue = numbered(inputs)
     seed_queue = iter(seeds) if seeds is not None else None
     features = linear_features()
     ready: dict[int, Finished] = {}
@@ -112,8 +116,13 @@ def run_continuous(
     # no_grad, not inference_mode: results are ordinary tensors, as generate returns them.
     checked = False  # the weights' int8/packed copies are checked on the first step only
     while True:
+        keep = cancelled_positions(state.indices, online)
+        if keep is not None:  # cancelled inputs leave at the step boundary, without a result
+            _retire(state, cache, encoder_lengths, keep, beams, cross_rows)
+            masks.stale = True
         free = slots - len(state)
-        while free > 0 and (len(ahead) or ahead.more):
+        ahead.waiting = False
+        while free > 0 and (len(ahead) or (ahead.more and not ahead.waiting)):
             with torch.no_grad(), linear_scope(model, not checked, features):
                 checked = True
                 if not len(ahead):
@@ -126,10 +135,15 @@ def run_continuous(
                 masks.stale = True
                 free -= len(taken.indices)
         if not len(state):
+            if online is not None and ahead.more:
+                yield None  # idle: nothing to run until an input arrives
+                continue
             break
         with torch.no_grad(), linear_scope(model, not checked, features):
             checked = True
             order, done = _step(decoder, state, cache, encoder_lengths, masks, stats)
+            if online is not None and online.on_step is not None:
+                online.on_step(state)
             if not any(done):
                 if order is not None:
                     cache.reorder(order)
@@ -141,6 +155,11 @@ def run_continuous(
                 keep = [i for i, d in enumerate(done) if not d]
                 _retire(state, cache, encoder_lengths, keep, beams, cross_rows, order)
                 masks.stale = True
+        if online is not None:
+            yield from ready.values()
+            ready.clear()
+            yield None  # a step boundary
+            continue
         while next_out in ready:
             yield ready.pop(next_out)
             next_out += 1
@@ -173,6 +192,7 @@ class _Encoded:
 
     def __init__(self) -> None:
         self.more = True  # the queue may hold inputs
+        self.waiting = False  # an online queue said WAIT since the last step
         self.indices: list[int] = []
         self.lengths: list[int] = []
         self.seeds: list[int] | None = None
@@ -190,6 +210,9 @@ class _Encoded:
             item = next(queue, None)
             if item is None:
                 self.more = False
+                break
+            if item is WAIT:
+                self.waiting = True
                 break
             items.append((item[0], _as_ids(item[1], item[0], device)))
         self.indices = [index for index, _ in items]
