@@ -1,6 +1,6 @@
 """Renders ``benchmarks/results/*.json`` as the README's headline table and the documentation's tables.
 
-python -m benchmarks.report          # rewrite the headline table between the README markers
+python -m benchmarks.report          # rewrite the README's results and compatibility tables between their markers
 
 The documentation site fills its ``<!-- generated:NAME -->`` markers through :func:`fill_generated`
 (``scripts/mkdocs_hooks.py`` calls it while MkDocs builds), so no measured number there is typed by hand.
@@ -8,17 +8,24 @@ The documentation site fills its ``<!-- generated:NAME -->`` markers through :fu
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import html
 import json
 import re
+import subprocess
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+COMPAT_BEGIN, COMPAT_END = "<!-- compat-table -->", "<!-- /compat-table -->"
+VERSIONS_BEGIN, VERSIONS_END = "<!-- versions -->", "<!-- /versions -->"
 
 
-def _row(r: dict, notes: list[str]) -> str | None:
+def _row(r: dict, notes: list[str], date: str = "?") -> str | None:
     """One table row; a result whose outputs differ on purpose gets a numbered note in ``notes``."""
     if "baseline" not in r or "speedup" not in r:
         return None  # not a generation result (e.g. an op micro-benchmark)
@@ -34,8 +41,7 @@ def _row(r: dict, notes: list[str]) -> str | None:
     return (
         f"| {name} | {_device(_environment(r))} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
         f"{s['dtype']} | {b['new_tokens_per_s']:.1f} | {f['new_tokens_per_s']:.1f} | **{r['speedup']:.2f}×** | "
-        f"{_cache_ratio(r)} | {identical} | "
-        f"{r['environment'].get('git_commit') or '?'} |"
+        f"{_cache_ratio(r)} | {identical} | {date} |"
     )
 
 
@@ -44,8 +50,8 @@ def _device(env: dict) -> str:
     return env["device"] if "cpu_count" not in env else f"{machine(env)}, {threads} thread(s)"
 
 
-# Where a result may record the CPU's instruction set (benchmarks.measure.environment() gained it in
-# issue 25's time; older results lack it). A list of flags, a mapping flag -> bool, or a string.
+# Where a result may record the CPU's instruction set (older results lack it). A list of flags, a mapping
+# flag -> bool, or a string.
 ISA_KEYS = ("cpu_isa", "isa", "isa_flags", "cpu_flags")
 
 
@@ -67,6 +73,23 @@ def cpu_kind(env: dict) -> str:
         if value:
             return str(value)
     return "unknown CPU kind"
+
+
+def short_kind(env: dict) -> str:
+    """The CPU's instruction-set family in a few words (``AVX-512 VNNI``), or "CPU kind not recorded"."""
+    for key in ISA_KEYS:
+        value = env.get(key)
+        if isinstance(value, dict):
+            value = [flag for flag, present in value.items() if present]
+        if isinstance(value, list | tuple) and value:
+            flags = {str(flag) for flag in value}
+            family = (
+                "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+            )
+            if family and flags & {"avx512_vnni", "avx_vnni"}:
+                family += " VNNI"
+            return family or "CPU kind not recorded"
+    return "CPU kind not recorded"
 
 
 def machine(env: dict) -> str:
@@ -94,19 +117,37 @@ def _cache_ratio(r: dict) -> str:
     return "—" if own is None else f"self {own:.3f}"
 
 
-def table(results: list[dict] | None = None) -> str:
-    """The headline table: every generation scenario's upstream vs fastgen result."""
+def scenario_table(paths: list[Path]) -> str:
+    """Upstream vs fastgen per generation scenario (``benchmarks.run`` results), one row per file."""
     notes: list[str] = []
-    if results is None:
-        results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
-    rows = [_row(r, notes) for r in results]
+    rows = [_row(json.loads(p.read_text()), notes, result_date(p)) for p in paths]
     header = (
         "| scenario | device | batch×input→new, dtype | upstream tok/s | fastgen tok/s | speedup "
-        "| KV cache (fastgen/upstream) | identical | commit |\n"
+        "| KV cache (fastgen/upstream) | identical | date |\n"
         "|---|---|---|---|---|---|---|---|---|"
     )
     footnotes = ["", *(f"({i}) {note}" for i, note in enumerate(notes, 1))] if notes else []
     return "\n".join([header, *[r for r in rows if r], *footnotes])
+
+
+def _generation_files(cuda: bool | None = None) -> list[Path]:
+    paths = [p for p in sorted(RESULTS.glob("*.json")) if "speedup" in json.loads(p.read_text())]
+    return [p for p in paths if cuda is None or ("-cuda" in p.name) == cuda]
+
+
+def table(results: list[dict] | None = None) -> str:
+    """The README's results: the CPU modes on the newest CPU runs, the GPU runs, earlier runs folded."""
+    current = ctranslate2_current()
+    gpu = gpu_generation()
+    history = scenario_table(_generation_files(cuda=False))
+    return "\n\n".join(
+        [
+            current,
+            gpu,
+            '<details markdown="1"><summary>Earlier per-scenario runs of the default features on CPU '
+            "(CPU kind not recorded; before fastgen's CPU kernels)</summary>\n\n" + history + "\n\n</details>",
+        ]
+    )
 
 
 # The per-step breakdown tables of benchmarks/beam_steps.py (docs/benchmarks/beam-search.md).
@@ -176,13 +217,11 @@ def _by_machine(paths: list[Path]) -> dict[str, list[tuple[Path, dict]]]:
 
 
 def tables_by_machine(gpu_only: bool = False) -> str:
-    """The headline table once per device and CPU kind (``gpu_only``: the ``*-cuda*`` results alone)."""
+    """The per-scenario table once per device and CPU kind (``gpu_only``: the ``*-cuda*`` results alone)."""
     parts = []
-    paths = sorted(p for p in RESULTS.glob("*.json") if not gpu_only or "-cuda" in p.name)
+    paths = _generation_files(cuda=True if gpu_only else None)
     for name, results in _by_machine(paths).items():
-        body = table([r for _, r in results])
-        if body.count("\n") > 1:  # more than the header: some generation scenario ran there
-            parts.append(f"### {name}\n\n{body}")
+        parts.append(f"### {name}\n\n{scenario_table([path for path, _ in results])}")
     return "\n\n".join(parts)
 
 
@@ -210,12 +249,20 @@ def result_files() -> str:
     """Every committed result file, grouped by device and CPU kind: command, threads, commit, load."""
     parts = []
     for name, results in _by_machine(sorted(RESULTS.glob("*.json"))).items():
-        lines = [f"### {name}", "", "| file | command | torch threads | commit | load (1 min) |", "|---" * 5 + "|"]
+        lines = [
+            f"### {name}",
+            "",
+            "| file | command | torch threads | commit | date | load (1 min) |",
+            "|---" * 6 + "|",
+        ]
         for path, r in results:
             env = _environment(r)
             threads = env.get("torch_threads", env.get("torch_default_threads", "?"))
             command = str(r.get("command", "?")).replace("|", "\\|")
-            lines.append(f"| `{path.name}` | `{command}` | {threads} | {env.get('git_commit') or '?'} | {_load(r)} |")
+            lines.append(
+                f"| `{path.name}` | `{command}` | {threads} | {_commit_text(env.get('git_commit'))} "
+                f"| {result_date(path)} | {_load(r)} |"
+            )
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
@@ -266,7 +313,7 @@ def _first_failure(probes: dict, largest: int) -> str:
 def max_batch() -> str:
     """``max_batch-*-cuda*.json``: the largest batch in a memory budget, upstream vs fastgen, and samples/s there."""
     lines = [
-        "| device | scenario | budget | dtype | output | upstream: largest batch (bound) "
+        "| device | scenario | memory limit | dtype | output | upstream: largest batch (bound) "
         "| fastgen: largest batch (bound) | samples/s at those batches: upstream / fastgen (ratio) "
         "| same-batch speedup | identical at upstream's batch | commit |",
         "|---" * 11 + "|",
@@ -472,7 +519,424 @@ def int8() -> str:
             '`fastgen.enable(features=[..., "int8"])` raises `ValueError` (unknown feature).'
         )
     default = "opt-in" if "int8" in OPT_IN_FEATURES else "on by default"
-    return f"`int8` is in this build ({default}): add it to the features as for `fast_gemm` above."
+    switch = '`fastgen.enable(mode="int8")`, `FASTGEN_MODE=int8` or `--mode int8`'
+    return f"`int8` is in this build ({default}): {switch}."
+
+
+# ----------------------------------------------------------------------------------------- dates
+
+
+@functools.cache
+def _git_log(path: Path, fmt: str) -> str:
+    try:
+        run = subprocess.run(
+            ["git", "log", "-1", f"--format={fmt}", "--", str(path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return run.stdout.strip()
+
+
+def result_date(path: Path) -> str:
+    """When a result was measured (its ``date_utc``), else when it was committed; "?" outside a git checkout."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        recorded = json.loads(path.read_text()).get("date_utc")
+        if recorded:
+            return str(recorded)[:10]
+    return _git_log(path, "%cs") or "?"
+
+
+def _newest_first(paths: list[Path]) -> list[Path]:
+    return sorted(paths, key=lambda p: int(_git_log(p, "%ct") or 0), reverse=True)
+
+
+def _commit_text(commit: object) -> str:
+    text = str(commit or "?")
+    return text.replace("-dirty", " + uncommitted edits")
+
+
+# -------------------------------------------------------------------------------------- versions
+
+
+def _constant(relative: str, name: str) -> str:
+    match = re.search(rf'^{name}\s*=\s*"([^"]+)"', (ROOT / relative).read_text(), re.M)
+    if not match:
+        raise KeyError(f'{relative} has no {name} = "..."')
+    return match.group(1)
+
+
+def _lower(spec: str) -> str:
+    return re.search(r">=\s*([\d.]+)", spec).group(1)
+
+
+def _upper_major(spec: str) -> str:
+    match = re.search(r"<\s*([\d.]+)", spec)
+    return match.group(1) if match else ""
+
+
+@functools.cache
+def versions() -> dict[str, str]:
+    """The supported and tested versions, read from the package's metadata and the patch registry's ranges.
+
+    Read from the source files (no import), so the documentation builds without torch.
+    """
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = {re.split(r"[<>=\[ ]", d, maxsplit=1)[0]: d for d in project["dependencies"]}
+    extras = {
+        re.split(r"[<>=\[ ]", d, maxsplit=1)[0]: d for ds in project["optional-dependencies"].values() for d in ds
+    }
+    matrix = (ROOT / "scripts" / "test.sh").read_text()
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    return {
+        "python": project["requires-python"].removeprefix(">="),
+        "torch": deps["torch"].removeprefix("torch>="),
+        "torch_tested": re.search(r"FASTGEN_TORCH_VERSION:-([\d.]+)", setup).group(1),
+        "transformers_dependency": deps["transformers"].removeprefix("transformers"),
+        "transformers": _constant("fastgen/optimizer/transformers/patches.py", "HF_VERSIONS"),
+        "transformers_newest": _constant("fastgen/optimizer/transformers/contract.py", "NEWEST_TESTED"),
+        "transformers_previous": re.search(r"FASTGEN_PREVIOUS_TRANSFORMERS:-([\d.]+)", matrix).group(1),
+        "transformers_oldest": re.search(r"transformers==([\d.]+)", matrix).group(1),
+        "fairseq": _constant("fastgen/optimizer/fairseq/patches.py", "FAIRSEQ_VERSIONS"),
+        "triton": extras["triton"].removeprefix("triton"),
+    }
+
+
+def _span(spec: str) -> str:
+    """``>=5.18,<6`` -> ``5.18 – 5.x``; ``>=0.12.2,<0.13`` -> ``0.12``."""
+    low, high = _lower(spec), _upper_major(spec)
+    if high and "." not in high:
+        return f"{'.'.join(low.split('.')[:2])} – {int(high) - 1}.x"
+    return ".".join(low.split(".")[:2])
+
+
+def _below(patch_spec: str, dependency_spec: str) -> str:
+    """The releases the dependency admits below the patches' range (``5.15 – 5.17``), or ""."""
+    dep_major, dep_minor = (int(x) for x in _lower(dependency_spec).split(".")[:2])
+    major, minor = (int(x) for x in _lower(patch_spec).split(".")[:2])
+    if (dep_major, dep_minor) >= (major, minor) or dep_major != major:
+        return ""
+    return f"{major}.{dep_minor} – {major}.{minor - 1}"
+
+
+def versions_line() -> str:
+    """The one supported-versions statement every page uses."""
+    v = versions()
+    below = _below(v["transformers"], v["transformers_dependency"])
+    older = f"; {below} install but run upstream's code" if below else ""
+    return (
+        f"Python ≥ {v['python']}, torch ≥ {v['torch']}, Transformers {_span(v['transformers'])} "
+        f"(`{v['transformers']}`, tested up to {v['transformers_newest']}{older}), "
+        f"fairseq {_span(v['fairseq'])} (`{v['fairseq']}`)"
+    )
+
+
+def compat_table() -> str:
+    """The compatibility table (README and the compatibility page)."""
+    v = versions()
+    below = _below(v["transformers"], v["transformers_dependency"])
+    return "\n".join(
+        [
+            "| package | supported | tested | outside the range |",
+            "|---|---|---|---|",
+            f"| Python | ≥ {v['python']} | {v['python']} | not installable |",
+            f"| torch | ≥ {v['torch']} | {'.'.join(v['torch_tested'].split('.')[:2])} (CPU build) | — |",
+            f"| Transformers | {_span(v['transformers'])} (`{v['transformers']}`) | up to {v['transformers_newest']} "
+            f"(CI: the newest release; {v['transformers_previous']}, fast paths; {v['transformers_oldest']}, "
+            f"skip check) | {below}: patches skipped with a reason, upstream runs unchanged |",
+            f"| fairseq | {_span(v['fairseq'])} (`{v['fairseq']}`) | ve-fairseq 0.12.3 | patches skipped with a "
+            "reason |",
+            f"| Triton (optional) | {_span(v['triton'])} (`{v['triton']}`) | kernels under `TRITON_INTERPRET=1` on "
+            "CPU | torch path |",
+        ]
+    )
+
+
+# ---------------------------------------------------------------------------------------- charts
+
+_COLORS = ("#3f6fb5", "#e0803a", "#4a9b5b", "#9a5fb5", "#8c8c8c", "#c9a227", "#c0504d")
+
+
+def bar_chart(title: str, bars: list[tuple[str, float, str]], note: str = "") -> str:
+    """A horizontal bar chart of ratios as inline SVG (no plotting library; scales to the page's width).
+
+    ``bars`` are ``(label, value, series)``; each series gets a colour and a legend entry, and a dashed line
+    marks 1.0× (upstream).
+    """
+    if not bars:
+        return ""
+    series = list(dict.fromkeys(s for _, _, s in bars))
+    color = {s: _COLORS[i % len(_COLORS)] for i, s in enumerate(series)}
+    label_w, bar_w, row_h, top = 330, 380, 22, 46
+    width = label_w + bar_w + 70
+    height = top + row_h * len(bars) + 30
+    vmax = max(max(v for _, v, _ in bars), 1.0) * 1.05
+    x = lambda v: label_w + bar_w * v / vmax  # noqa: E731
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="{html.escape(title)}" style="max-width:100%;height:auto;font-family:sans-serif;font-size:12px">',
+        f'<text x="0" y="16" font-size="14" font-weight="bold">{html.escape(title)}</text>',
+    ]
+    lx = 0
+    for s in series:
+        out.append(f'<rect x="{lx}" y="26" width="10" height="10" fill="{color[s]}"/>')
+        out.append(f'<text x="{lx + 14}" y="35">{html.escape(s)}</text>')
+        lx += 24 + 7 * len(s)
+    for i, (label, value, s) in enumerate(bars):
+        y = top + i * row_h
+        out.append(f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end">{html.escape(label)}</text>')
+        out.append(
+            f'<rect x="{label_w}" y="{y + 3}" width="{x(value) - label_w:.1f}" height="{row_h - 6}" fill="{color[s]}"/>'
+        )
+        out.append(f'<text x="{x(value) + 4:.1f}" y="{y + 15}">{value:.2f}×</text>')
+    one = x(1.0)
+    bottom = top + row_h * len(bars)
+    out.append(
+        f'<line x1="{one:.1f}" y1="{top - 2}" x2="{one:.1f}" y2="{bottom + 2}" stroke="#333" stroke-dasharray="4 3"/>'
+    )
+    out.append(f'<text x="{one:.1f}" y="{bottom + 16}" text-anchor="middle">1.0× = upstream</text>')
+    out.append("</svg>")
+    caption = f"<figcaption>{note}</figcaption>" if note else ""
+    return '<figure class="fastgen-chart">' + "".join(out) + caption + "</figure>"
+
+
+# ------------------------------------------------------------------------- CPU modes vs CTranslate2
+
+_CANDIDATES = {
+    "fastgen": "fastgen exact (default)",
+    "fastgen_fast": "fastgen fast_gemm",
+    "fastgen_int8": "fastgen int8",
+    "ctranslate2": "CTranslate2 fp32",
+    "ctranslate2_int8": "CTranslate2 int8",
+}
+_SEARCH = {
+    "beam4-norepeat3": "beam 4, no-repeat 3",
+    "beam4": "beam 4",
+    "greedy-norepeat3": "greedy, no-repeat 3",
+    "greedy": "greedy",
+}
+
+
+def _ctranslate2_files() -> tuple[list[Path], list[Path]]:
+    """(current, earlier): the newest result per model, thread count and CPU kind, and the rest."""
+    current: dict[tuple, Path] = {}
+    earlier: list[Path] = []
+    for path in _newest_first(sorted(RESULTS.glob("ctranslate2-*.json"))):
+        r = json.loads(path.read_text())
+        kind = short_kind(_environment(r))
+        key = (r["scenario"], r["threads"], kind)
+        if key in current or kind == "CPU kind not recorded":
+            earlier.append(path)
+        else:
+            current[key] = path
+    order = sorted(current.values(), key=lambda p: (json.loads(p.read_text())["threads"], p.name))
+    return order, sorted(earlier)
+
+
+def _x(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def _where(path: Path, r: dict) -> str:
+    env = _environment(r)
+    return f"{env.get('device', '?')}, {short_kind(env)}, {result_date(path)}"
+
+
+def ctranslate2_current() -> str:
+    """The CPU modes against upstream and CTranslate2 on the newest runs: two narrow tables."""
+    files, _ = _ctranslate2_files()
+    if not files:
+        return ""
+    first = json.loads(files[0].read_text())
+    s = first.get("settings", {})
+    shape = f", {s['batch']}×{s['input_len']}→{s['new_tokens']}" if s else ""
+    head = (
+        f"**CPU, {first['scenario']} shape{shape} (equal work forced), {_where(files[0], first)}**: "
+        "speed-up over upstream Transformers, wall clock, medians"
+    )
+    speed = [
+        "| threads | search | " + " | ".join(_CANDIDATES.values()) + " |",
+        "|---" * (2 + len(_CANDIDATES)) + "|",
+    ]
+    versus = [
+        "| threads | search | exact / CT2 fp32 | fast_gemm / CT2 fp32 | int8 / CT2 int8 | exact = upstream "
+        "| tokens = upstream: fast_gemm / int8 / CT2 int8 | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in files:
+        r = json.loads(path.read_text())
+        for mode, e in r["modes"].items():
+            m = e["median_wall_seconds"]
+            up = m["upstream"]
+            cells = [_x(up / m[c]) if m.get(c) else "–" for c in _CANDIDATES]
+            speed.append(f"| {r['threads']} | {_SEARCH.get(mode, mode)} | " + " | ".join(cells) + " |")
+            exact = "yes" if all(e["identical_to_upstream"].values()) else "NO"
+            agree = [
+                (e.get(key) or {}).get("token_agreement") for key in ("fast_mode_vs_upstream", "int8_mode_vs_upstream")
+            ]
+            agree.append(e.get("ctranslate2_int8_token_agreement"))
+            tokens = " / ".join("–" if a is None else f"{100 * a:.0f}%" for a in agree)
+            int8 = _x(m["ctranslate2_int8"] / m["fastgen_int8"]) if m.get("fastgen_int8") else "–"
+            load = e["load_average_1min"]
+            versus.append(
+                f"| {r['threads']} | {_SEARCH.get(mode, mode)} | **{_x(m['ctranslate2'] / m['fastgen'])}** "
+                f"| **{_x(m['ctranslate2'] / m['fastgen_fast'])}** | **{int8}** | {exact} | {tokens} "
+                f"| {min(load):.1f}–{max(load):.1f} |"
+            )
+    against = "Against CTranslate2 on the same converted model (above 1.0× fastgen is faster):"
+    return "\n".join([head, "", *speed, "", against, "", *versus])
+
+
+def chart_cpu_modes() -> str:
+    files, _ = _ctranslate2_files()
+    bars = []
+    for path in files:
+        r = json.loads(path.read_text())
+        for mode, e in r["modes"].items():
+            m = e["median_wall_seconds"]
+            for key, name in _CANDIDATES.items():
+                if m.get(key):
+                    thread = f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}"
+                    bars.append((f"{r['scenario']}, {_SEARCH.get(mode, mode)}, {thread}", m["upstream"] / m[key], name))
+    if not files:
+        return ""
+    first = json.loads(files[0].read_text())
+    return bar_chart(
+        "Speed-up over upstream Transformers on CPU (higher is faster)",
+        bars,
+        f"{_where(files[0], first)}; generated from <code>benchmarks/results/ctranslate2-*.json</code>.",
+    )
+
+
+def ctranslate2_history() -> str:
+    """Earlier CTranslate2 comparisons (superseded, or from before results recorded the CPU kind)."""
+    _, files = _ctranslate2_files()
+    lines = [
+        "| file | model | threads | CPU kind | search | exact / CT2 fp32 | fast_gemm / CT2 fp32 | int8 / CT2 int8 "
+        "| date |",
+        "|---" * 9 + "|",
+    ]
+    for path in files:
+        r = json.loads(path.read_text())
+        for mode, e in r["modes"].items():
+            m = e["median_wall_seconds"]
+            int8 = _x(m["ctranslate2_int8"] / m["fastgen_int8"]) if m.get("fastgen_int8") else "–"
+            lines.append(
+                f"| `{path.name}` | {r['scenario']} | {r['threads']} | {short_kind(_environment(r))} "
+                f"| {_SEARCH.get(mode, mode)} | {_x(m['ctranslate2'] / m['fastgen'])} "
+                f"| {_x(m['ctranslate2'] / m['fastgen_fast'])} | {int8} | {result_date(path)} |"
+            )
+    return "\n".join(lines)
+
+
+def int8_accuracy() -> str:
+    """int8 against fp32 upstream on the newest trained-model run, beside CTranslate2 int8 (a short table)."""
+    paths = sorted(RESULTS.glob("trained_agreement-*.json"), key=lambda p: result_date(p) + p.name, reverse=True)
+    if not paths:
+        return "No trained-model comparison is committed."
+    path = paths[0]
+    r = json.loads(path.read_text())
+    sentences = r.get("test_sentences")
+    count = sentences if isinstance(sentences, int) else len(sentences) if isinstance(sentences, list) else "?"
+    lines = [
+        f"On a small BART trained for the comparison ({count} held-out sentences, {_where(path, r)}; "
+        "[details](../benchmarks/trained.md)):",
+        "",
+        "| search | candidate | sentences = fp32 upstream | tokens = fp32 upstream | BLEU (upstream's) |",
+        "|---|---|---|---|---|",
+    ]
+    names = {"fastgen_int8": "fastgen `int8`", "ctranslate2_int8_float32": "CTranslate2 `int8_float32`"}
+    for mode, entry in r["modes"].items():
+        upstream_bleu = entry["candidates"].get("upstream", {}).get("bleu")
+        for key, name in names.items():
+            c = entry["candidates"].get(key)
+            if c is None:
+                continue
+            base = f" ({upstream_bleu:.1f})" if upstream_bleu is not None else ""
+            lines.append(
+                f"| {_SEARCH.get(mode, mode.replace('beam4', 'beam 4'))} | {name} "
+                f"| {100 * c['vs_upstream']['sequence_match']:.1f}% | {100 * c['vs_upstream']['token_agreement']:.1f}% "
+                f"| {c['bleu']:.1f}{base} |"
+            )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+
+def _current_gpu_files() -> tuple[list[Path], list[Path]]:
+    """GPU generation results: those of settings still in force, and those of a setting since turned off."""
+    current, stale = [], []
+    for path in _generation_files(cuda=True):
+        r = json.loads(path.read_text())
+        # Decoder-only prompt sharing is off on GPUs since this measurement (FASTGEN_GPU_PROMPT_SHARING=1 turns it on).
+        (stale if r.get("cross_attention_cache_ratio") is None else current).append(path)
+    return current, stale
+
+
+def gpu_generation() -> str:
+    current, _ = _current_gpu_files()
+    lines = [
+        "**GPU**: speed-up over upstream Transformers, medians",
+        "",
+        "| model | device | batch×input→new | dtype | speed-up | tokens identical | date |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for path in current:
+        r = json.loads(path.read_text())
+        s = r["settings"]
+        identical = "yes" if r["identical_outputs"] else "not all (fp16 near-ties)"
+        lines.append(
+            f"| {r['scenario']} | {_environment(r)['device']} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
+            f"| {s['dtype']} | **{r['speedup']:.2f}×** | {identical} | {result_date(path)} |"
+        )
+    return "\n".join(lines)
+
+
+def chart_gpu() -> str:
+    current, _ = _current_gpu_files()
+    bars = []
+    for path in current:
+        r = json.loads(path.read_text())
+        s = r["settings"]
+        bars.append(
+            (
+                f"{r['scenario']} {s['batch']}×{s['input_len']}→{s['new_tokens']}, {s['dtype']}",
+                r["speedup"],
+                _environment(r)["device"],
+            )
+        )
+    return bar_chart(
+        "Speed-up over upstream Transformers on a GPU",
+        bars,
+        "Generated from <code>benchmarks/results/*-cuda*.json</code>.",
+    )
+
+
+def chart_scenarios_cpu() -> str:
+    bars = []
+    for path in _generation_files(cuda=False):
+        r = json.loads(path.read_text())
+        features = r.get("features", "all")
+        if features != "all":
+            continue
+        s = r["settings"]
+        bars.append(
+            (
+                f"{r['scenario']} {s['batch']}×{s['input_len']}→{s['new_tokens']}",
+                r["speedup"],
+                "default features, 1 thread",
+            )
+        )
+    return bar_chart(
+        "Per-scenario speed-up over upstream on CPU (default features)",
+        bars,
+        "Generated from <code>benchmarks/results/&lt;scenario&gt;-cpu.json</code>; CPU kind not "
+        "recorded (an AMD EPYC), measured before fastgen's CPU kernels.",
+    )
 
 
 #: ``<!-- generated:NAME -->`` or ``<!-- generated:NAME:ARG -->`` -> the markdown that replaces it.
@@ -494,6 +958,15 @@ GENERATED: dict[str, Callable[..., str]] = {
     "int8": int8,
     "trained": trained,
     "trained-model": trained_model,
+    "versions": versions_line,
+    "compat-table": compat_table,
+    "cpu-modes": ctranslate2_current,
+    "ctranslate2-history": ctranslate2_history,
+    "gpu-generation": gpu_generation,
+    "chart-cpu-modes": chart_cpu_modes,
+    "chart-gpu": chart_gpu,
+    "chart-scenarios-cpu": chart_scenarios_cpu,
+    "int8-accuracy": int8_accuracy,
 }
 _MARKER = re.compile(r"<!-- generated:([\w-]+)(?::([^ ]+))? -->")
 
@@ -517,7 +990,10 @@ def _replace_block(text: str, begin: str, end: str, body: str) -> str:
 
 def main() -> None:
     readme = ROOT / "README.md"
-    readme.write_text(_replace_block(readme.read_text(), BEGIN, END, table()))
+    text = _replace_block(readme.read_text(), BEGIN, END, table())
+    text = _replace_block(text, COMPAT_BEGIN, COMPAT_END, compat_table())
+    start, stop = text.index(VERSIONS_BEGIN) + len(VERSIONS_BEGIN), text.index(VERSIONS_END)
+    readme.write_text(text[:start] + versions_line() + text[stop:])
 
 
 if __name__ == "__main__":

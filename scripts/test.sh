@@ -9,8 +9,10 @@ bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 bash scripts/check_nvcc.sh
-# The documentation site: broken links, missing pages and unknown generated blocks fail (works offline).
+# The documentation site: broken links, missing pages and unknown generated blocks fail (works offline);
+# then every internal link and anchor of the built site, and no page speaks of how the work was organised.
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "${FASTGEN_SITE_DIR:-site}"
+.venv/bin/python scripts/check_docs.py "${FASTGEN_SITE_DIR:-site}" README.md CHANGELOG.md
 bash scripts/smoke_wheel.sh
 # Triton kernels run under the interpreter on CPU (tests/conftest.py); slow tests stay out of CI.
 .venv/bin/python -m pytest -q -m "not slow" "$@"
