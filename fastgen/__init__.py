@@ -1,19 +1,32 @@
 """fastgen: faster text generation for Hugging Face Transformers and fairseq, same outputs.
 
-``import fastgen`` patches the installed frameworks (see :func:`status`); set
-``FASTGEN_DISABLE=1`` to import without patching, ``FASTGEN_FEATURES=a,b`` to pick features.
-``with fastgen.report() as r: ...`` says what ran, what fell back and why, and the cache saved.
+``import fastgen`` patches the installed frameworks (see :func:`status`) in mode ``exact``: every feature
+but the opt-in ones, tokens equal to upstream's. One word picks another mode:
+
+* for the process: ``FASTGEN_MODE=fast`` (or ``int8``) in the shell, ``fastgen.enable(mode="int8")``, or
+  ``--mode int8`` on the command-line tools; single features on top of the defaults with
+  ``fastgen.enable("+int8")`` / ``fastgen.enable("-speculative")`` (``FASTGEN_FEATURES=+int8``);
+* for one block of this thread or task: ``with fastgen.mode("int8"): ...``;
+* for one model: ``fastgen.mode("int8", model=model)`` (until changed; ``with`` it, for a block).
+
+``FASTGEN_DISABLE=1`` imports without patching. ``with fastgen.report() as r: ...`` says what ran, what
+fell back and why, and the cache saved.
 """
 
 import os
 
 import fastgen.optimizer.catalog  # noqa: F401  (declares the frameworks' patches to the registry)
+from fastgen.optimizer import registry
 from fastgen.optimizer.registry import (
+    MODES,
+    ModeScope,
     active,
+    current_mode,
     disable,
     enable,
     is_enabled,
     known_features,
+    mode,
     patched,
     status,
     unpatched,
@@ -22,13 +35,17 @@ from fastgen.optimizer.report import Report, report
 
 __version__ = "0.1.0"
 __all__ = [
+    "MODES",
+    "ModeScope",
     "Report",
     "active",
+    "current_mode",
     "disable",
     "enable",
     "generate_many",
     "is_enabled",
     "known_features",
+    "mode",
     "patched",
     "report",
     "status",
@@ -39,13 +56,17 @@ __all__ = [
 def generate_many(model, inputs, **kwargs):
     """Continuous batching over many inputs, results in input order (see :mod:`fastgen.continuous`).
 
-    Feature ``continuous`` (listed by :func:`status`, selected as every feature); switched off, each input
-    runs ``generate`` alone. Imported on first use: ``import fastgen`` must not import Transformers for
-    fairseq-only users.
+    Feature ``continuous`` (listed by :func:`status`, in every mode); switched off, each input runs
+    ``generate`` alone. The mode is the one in force for ``model`` where ``generate_many`` is called (a
+    :func:`mode` block, the model's own mode, or the process's), and holds for every result, however late
+    it is read. Imported on first use: ``import fastgen`` must not import Transformers for fairseq-only users.
     """
     from fastgen.continuous import generate_many as _generate_many
 
-    return _generate_many(model, inputs, **kwargs)
+    scope = registry.call_scope(model)
+    with scope:
+        results = _generate_many(model, inputs, **kwargs)
+    return registry.each_in(scope, results)
 
 
 if os.environ.get("FASTGEN_DISABLE", "").strip().lower() not in {"1", "true", "yes"}:

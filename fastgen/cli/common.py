@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NoReturn
 
@@ -82,6 +84,33 @@ def add_pipeline_args(group: argparse._ActionsContainer) -> None:
         action="store_true",
         help="post-process each batch before generating the next (the synchronous path, for comparison)",
     )
+
+
+def add_mode_arg(group: argparse._ActionsContainer) -> None:
+    from fastgen.optimizer.registry import MODES
+
+    group.add_argument(
+        "--mode",
+        type=str.lower,
+        choices=list(MODES),
+        default=None,
+        help="fastgen's mode for this run (as FASTGEN_MODE): exact (every default feature, tokens equal "
+        "upstream's), fast (and fp32 linears on oneDNN with packed weights, CPU) or int8 (and int8 linears, "
+        "CPU); default: FASTGEN_MODE, else exact",
+    )
+
+
+def mode_block(mode: str | None, without: Iterable[str] = ()) -> contextlib.AbstractContextManager[None]:
+    """The run in ``--mode`` (minus the features ``without`` names): a block of the thread that calls
+    ``generate`` (the CLIs' main thread; their other threads only post-process), so fastgen's process-wide
+    selection is left as it was. Without ``--mode``: that selection (``FASTGEN_MODE`` / ``FASTGEN_FEATURES``)."""
+    if mode is None:
+        return contextlib.nullcontext()
+    import fastgen
+    from fastgen.optimizer.registry import mode_features
+
+    left = mode_features(mode) - set(without)
+    return fastgen.patched(mode=mode) if left == mode_features(mode) else fastgen.patched(sorted(left))
 
 
 def default_workers(on_cuda: bool) -> int:

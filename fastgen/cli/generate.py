@@ -31,11 +31,13 @@ import fastgen
 from fastgen.cli import distributed
 from fastgen.cli.common import (
     UsageError,
+    add_mode_arg,
     add_pipeline_args,
     allow_full_checkpoint_loading,
     check_output_file,
     default_workers,
     fail,
+    mode_block,
     setup_logging,
 )
 from fastgen.cli.fairseq_post import format_batch, offload_batch, replay_scores, set_state, warm_worker
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     # fairseq_cli.generate adds this too (for tasks that read model args).
     parser.add_argument("--arch", "-a", metavar="ARCH", default="wav2vec2", help="model architecture")
     group = parser.add_argument_group("fastgen")
+    add_mode_arg(group)
     add_pipeline_args(group)
     group.add_argument(
         "--skip-invalid",
@@ -108,10 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     early.add_argument("--cpu", action="store_true")
     executor = _start_workers(early.parse_known_args(argv)[0])
     args = parse_args(argv)
-    if args.exact_scores:
+    if args.exact_scores and args.mode is None:
         without_dedup()
     try:
-        return run(args, list(argv) if argv is not None else sys.argv[1:], executor)
+        with mode_block(args.mode, without=["dedup"] if args.exact_scores else []):
+            return run(args, list(argv) if argv is not None else sys.argv[1:], executor)
     except UsageError as exc:
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)

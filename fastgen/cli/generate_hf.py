@@ -27,11 +27,13 @@ from fastgen.cli import distributed, heap
 from fastgen.cli.common import (
     OneLineErrorParser,
     UsageError,
+    add_mode_arg,
     add_pipeline_args,
     check_input_file,
     check_output_file,
     default_workers,
     fail,
+    mode_block,
     non_negative_int,
     positive_int,
     rejected,
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "faster, see fastgen.cli.continuous_hf.prefers_static); --no-continuous-batching: static length-sorted "
         "batches, one generate call each",
     )
+    add_mode_arg(parser)
     add_pipeline_args(parser)
     return parser
 
@@ -194,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_paths(args)
-        return run(args)
+        with mode_block(args.mode):
+            return run(args)
     except UsageError as exc:
         return fail(str(exc), code=2)
     except (ResumeError, PipelineError, InvalidInput) as exc:

@@ -6,9 +6,14 @@ applied lazily: a target whose module is not imported yet is patched the moment 
 imported (a ``sys.meta_path`` hook), so ``import fastgen`` never imports fairseq or the heavy
 parts of transformers itself.
 
-Every installed replacement is wrapped in a dispatcher that calls the original while
-:func:`unpatched` is in force (a ``ContextVar``, so it is thread- and task-safe), and
-:func:`disable` puts back the exact original objects.
+Which features run is decided per call, not by what is installed. While fastgen is enabled the
+patches of *every* declared feature are installed, each wrapped in a dispatcher that asks, per call,
+whether its feature is on here: in the innermost :func:`patched` / :func:`unpatched` / :func:`mode`
+block of this thread or task (a ``ContextVar``), else in the mode of the model the call is on (set
+with ``mode(name, model=m)``), else in the process-wide selection of :func:`enable`
+(``FASTGEN_MODE`` / ``FASTGEN_FEATURES``). So a block in one thread never changes what another
+thread runs, and entering one swaps no attribute. :func:`disable` puts back the exact original
+objects.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import sys
 import textwrap
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -39,7 +45,6 @@ from fastgen.optimizer import report
 
 log = logging.getLogger("fastgen")
 
-_active: contextvars.ContextVar[bool] = contextvars.ContextVar("fastgen_active", default=True)
 _lock = threading.RLock()
 
 
@@ -98,13 +103,38 @@ class _State:
     """Mutable registry state, guarded by ``_lock``."""
 
     def __init__(self) -> None:
-        self.enabled_features: set[str] | None = None  # None: fastgen disabled; else the selected features
+        self.enabled_features: set[str] | None = None  # None: fastgen disabled; else the process-wide selection
+        self.on: frozenset[str] = frozenset()  # enabled_features as read per call (empty when disabled)
+        self.installed = False  # the patches of every declared feature are installed (or pending)
+        self.holders = 0  # blocks (patched()/mode()) that keep the patches installed while fastgen is disabled
+        self.sticky = False  # a model's own mode keeps them installed while fastgen is disabled
         self.applied: dict[Patch, _Applied] = {}
         self.status: dict[Patch, str] = {}
+        self.problems: dict[str, list[str]] = {}  # feature -> why some of its patches cannot run (warned when used)
         self.warned: set[tuple[str, str]] = set()
+        #: model-specific rules anywhere (models with a mode of their own, model blocks, handles not yet
+        #: entered): 0 lets every dispatcher skip looking at its call's arguments
+        self.model_rules = 0
+        self.model_modes: dict[int, tuple[Any, frozenset[str], str]] = {}  # id(model) -> (weakref, features, name)
+        self.pending: dict[int, _Pending] = {}  # id(handle) -> mode(..., model=) handles not entered yet
+        self.model_rules_in_blocks = 0  # `with mode(..., model=)` blocks running, in every thread
 
 
 _state = _State()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Layer:
+    """One block's choice of features: for every call in the block, or (``model``) for calls on one model."""
+
+    features: frozenset[str]
+    name: str  # the mode's name, or "custom"
+    model: Any = None
+    parent: _Layer | None = None
+
+
+#: the innermost block of this thread or task (None: the model's own mode, else the process-wide selection)
+_scope: contextvars.ContextVar[_Layer | None] = contextvars.ContextVar("fastgen_scope", default=None)
 
 
 _declared: list[Patch] = []
@@ -199,7 +229,7 @@ def _signature_problem(func: Callable[..., Any], expects: tuple[str, ...] | None
 
 
 def _make_dispatcher(
-    original: Callable[..., Any], replacement: Callable[..., Any], traced: bool = False
+    original: Callable[..., Any], replacement: Callable[..., Any], traced: bool = False, feature: str = ""
 ) -> Callable[..., Any]:
     if traced:  # see Patch.traced: the replacement itself, marked as patched
         installed = functools.wraps(original)(replacement)
@@ -207,12 +237,25 @@ def _make_dispatcher(
         return installed
     # The body reads closure variables only, never this module's globals (see below); their names
     # are unlikely to shadow a global of the upstream module for TorchScript.
-    _fastgen_active, _fastgen_original, _fastgen_replacement = _active, original, replacement
+    _fastgen_features_for, _fastgen_scope, _fastgen_feature = _features_for, _scope, feature
+    _fastgen_original, _fastgen_replacement = original, replacement
 
     def dispatcher(*args: Any, **kwargs: Any) -> Any:
-        if _fastgen_active.get():
-            return _fastgen_replacement(*args, **kwargs)
-        return _fastgen_original(*args, **kwargs)
+        # Decided here, per call, outside any traced forward: which features are on for this call.
+        features, carry = _fastgen_features_for(args)
+        if carry is None:
+            if _fastgen_feature in features:
+                return _fastgen_replacement(*args, **kwargs)
+            return _fastgen_original(*args, **kwargs)
+        # The call is on a model with a mode of its own: the hooks it reaches (which do not see the model)
+        # run in that mode too, for this call only.
+        token = _fastgen_scope.set(carry)
+        try:
+            if _fastgen_feature in features:
+                return _fastgen_replacement(*args, **kwargs)
+            return _fastgen_original(*args, **kwargs)
+        finally:
+            _fastgen_scope.reset(token)
 
     # TorchScript (torch.jit.script of a fairseq SequenceGenerator) compiles the *original*: it reads
     # the source through ``__wrapped__`` but resolves names in the dispatcher's ``__globals__`` (plus
@@ -288,7 +331,7 @@ def _apply(patch: Patch, executed: str | None = None) -> None:
         raw = _raw_attribute(owner, name)
     except AttributeError as exc:
         _state.status[patch] = f"skipped: target not found ({exc}); symbol path may have changed"
-        _warn_once(patch.feature, _state.status[patch])
+        _problem(patch.feature, _state.status[patch])
         return
     descriptor: type | None = type(raw) if isinstance(raw, staticmethod | classmethod) else None
     func = raw.__func__ if descriptor else raw
@@ -303,7 +346,7 @@ def _apply(patch: Patch, executed: str | None = None) -> None:
     problem = _signature_problem(func, patch.expects)
     if problem:
         _state.status[patch] = f"skipped: {problem}"
-        _warn_once(patch.feature, f"{patch.target}: {problem}")
+        _problem(patch.feature, f"{patch.target}: {problem}")
         return
     busy = [module for module in _helper_modules(patch) if module != executed and _initializing(module)]
     if busy:
@@ -315,15 +358,15 @@ def _apply(patch: Patch, executed: str | None = None) -> None:
     problem = _requirement_problem(patch)
     if problem:
         _state.status[patch] = f"skipped: {problem}"
-        _warn_once(patch.feature, problem)
+        _problem(patch.feature, problem)
         return
     try:
         replacement = _load_factory(patch.factory)(func)
     except Exception as exc:  # a broken factory must never break the user's program
         _state.status[patch] = f"skipped: factory failed ({type(exc).__name__}: {exc})"
-        _warn_once(patch.feature, _state.status[patch])
+        _problem(patch.feature, _state.status[patch])
         return
-    installed: Any = _make_dispatcher(func, replacement, patch.traced)
+    installed: Any = _make_dispatcher(func, replacement, patch.traced, patch.feature)
     if descriptor:
         installed = descriptor(installed)
     setattr(owner, name, installed)
@@ -351,7 +394,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     factory's module imported the target while being imported itself, right after the factory's)."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if _state.enabled_features is None or not any(fullname in (p.module, *_helper_modules(p)) for p in _pending()):
+        if not _state.installed or not any(fullname in (p.module, *_helper_modules(p)) for p in _pending()):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -380,127 +423,562 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 _finder = _PatchOnImport()
 
 
-def _selected(patches: Iterable[Patch]) -> list[Patch]:
-    chosen = _state.enabled_features
-    if chosen is None:
-        return []
-    return [p for p in patches if p.feature in chosen]
-
-
 def _pending() -> list[Patch]:
-    """Selected patches waiting for their module to be imported."""
-    return [p for p in _selected(declared_patches()) if _state.status.get(p, "").startswith("pending")]
+    """Patches waiting for their module to be imported."""
+    if not _state.installed:
+        return []
+    return [p for p in declared_patches() if _state.status.get(p, "").startswith("pending")]
+
+
+# ---------------------------------------------------------------------------- features and modes
+
+#: The modes, one word each for a set of features: ``exact`` is every feature but the opt-in ones (tokens
+#: equal upstream's), ``fast`` adds ``fast_gemm`` (fp32 linears on oneDNN, not bit-identical) and ``int8``
+#: adds ``int8`` (int8 linears). The value is what a mode adds to the default features.
+MODES: dict[str, frozenset[str]] = {
+    "exact": frozenset(),
+    "fast": frozenset({"fast_gemm"}),
+    "int8": frozenset({"int8"}),
+}
+
+
+def default_features() -> frozenset[str]:
+    """The features of mode ``exact``: every declared feature but :data:`OPT_IN_FEATURES`."""
+    return frozenset(known_features()) - OPT_IN_FEATURES
+
+
+def _mode_key(name: Any) -> str:
+    key = name.strip().lower() if isinstance(name, str) else None
+    if key not in MODES:
+        raise ValueError(f"unknown fastgen mode {name!r}; modes: {', '.join(MODES)}")
+    return key
+
+
+def mode_features(name: str) -> frozenset[str]:
+    """The features of mode ``name`` (``exact``, ``fast`` or ``int8``; case and spaces ignored)."""
+    return default_features() | MODES[_mode_key(name)]
+
+
+def mode_name(features: Iterable[str]) -> str:
+    """The mode whose features these are (``exact``, ``fast``, ``int8``), ``off`` for none, else ``custom``."""
+    chosen = frozenset(features)
+    if not chosen:
+        return "off"
+    return next((name for name in MODES if chosen == mode_features(name)), "custom")
+
+
+def _feature_names(features: str | Iterable[str]) -> list[str]:
+    """``"ngram"``, ``"NGram, dedup"`` or ``["ngram", " Dedup "]`` -> ``["ngram", "dedup"]``.
+
+    A change keeps its sign: ``"+ Int8"`` -> ``"+int8"``."""
+    items = features.split(",") if isinstance(features, str) else list(features)
+    if not all(isinstance(item, str) for item in items):
+        raise TypeError(f"fastgen features are names (str), got {items!r}")
+    names = [name for item in items if (name := item.strip().lower())]
+    return [name[0] + name[1:].strip() if name[0] in "+-" else name for name in names]
+
+
+def _choose(names: list[str], base: frozenset[str] | None, known: list[str]) -> frozenset[str]:
+    """The features that ``names`` select: a list of names on its own, or ``+name`` / ``-name`` changes to
+    ``base`` (a mode's features; the defaults when None). Raises ``ValueError`` naming what is wrong."""
+    signed = [name for name in names if name[0] in "+-"]
+    stems = [name.lstrip("+-") for name in names]
+    unknown = [stem for stem in stems if stem not in known]
+    if unknown:
+        modes = [stem for stem in unknown if stem in MODES]
+        hint = f" ({', '.join(modes)}: a mode, selected with mode={modes[0]!r})" if modes else ""
+        raise ValueError(f"unknown fastgen feature(s): {', '.join(unknown)}; known features: {', '.join(known)}{hint}")
+    if signed and len(signed) != len(names):
+        raise ValueError(
+            f"fastgen features {', '.join(names)}: either a list of names or +name/-name changes to the "
+            "defaults, not both"
+        )
+    if signed:
+        chosen = set(default_features() if base is None else base)
+        for name in signed:
+            (chosen.add if name[0] == "+" else chosen.discard)(name[1:])
+        return frozenset(chosen)
+    if base is not None:
+        if names:
+            raise ValueError(
+                f"fastgen: mode= or a list of features ({', '.join(names)}), not both; "
+                "+name/-name change a mode's features"
+            )
+        return base
+    return frozenset(stems)
+
+
+def _alone_hint(chosen: frozenset[str], spelled: str, environment: bool) -> None:
+    """The old spelling of an opt-in mode (``enable("int8")``, ``FASTGEN_FEATURES=int8``) selects it *alone*,
+    switching every default feature off: kept, since it is what it always meant, but said once."""
+    if not chosen or not chosen <= OPT_IN_FEATURES:
+        return
+    names = ", ".join(sorted(chosen))
+    plus = ",".join(f"+{name}" for name in sorted(chosen))
+    mode = next((name for name, extra in MODES.items() if extra == chosen), None)
+    if environment:
+        ways = [f"FASTGEN_MODE={mode}"] if mode else []
+        ways.append(f"FASTGEN_FEATURES={plus}")
+    else:
+        ways = [f"fastgen.enable(mode={mode!r})"] if mode else []
+        ways.append(f"fastgen.enable({plus!r})")
+    off = ", ".join(f for f in known_features() if f in default_features())
+    _warn_once(
+        names,
+        f"{spelled} selects {names} alone: the default features ({off}) are off. "
+        f"For {names} on top of them: {' or '.join(ways)}",
+    )
+
+
+def _from_environment(known: list[str]) -> frozenset[str]:
+    """``FASTGEN_MODE`` and ``FASTGEN_FEATURES`` as a selection. A name fastgen does not know warns once,
+    naming the known ones, and leaves the defaults (or ``FASTGEN_MODE``'s features) on: a typo must
+    neither break an import nor switch fastgen off."""
+    base = default_features()
+    mode_text = os.environ.get("FASTGEN_MODE", "").strip()
+    if mode_text:
+        try:
+            base = mode_features(mode_text)
+        except ValueError:
+            _warn_once(
+                "",
+                f"FASTGEN_MODE={mode_text} is not a mode (modes: {', '.join(MODES)}); "
+                "running mode exact (the default features)",
+            )
+            mode_text = ""
+    raw = os.environ.get("FASTGEN_FEATURES", "")
+    names = _feature_names(raw)
+    if not names:
+        return base
+    signed = any(name[0] in "+-" for name in names)
+    try:
+        chosen = _choose(names, base if signed else None, known)
+    except ValueError as exc:
+        message = str(exc).removeprefix("fastgen features ").removeprefix("fastgen: ")
+        _warn_once(
+            "",
+            f"FASTGEN_FEATURES={raw.strip()}: {message}. FASTGEN_FEATURES is ignored: running mode "
+            f"{mode_name(base)} ({', '.join(f for f in known if f in base)})",
+        )
+        return base
+    if not signed:
+        if mode_text:
+            _warn_once("", f"FASTGEN_FEATURES lists the features itself: FASTGEN_MODE={mode_text} is not used")
+        _alone_hint(chosen, f"FASTGEN_FEATURES={raw.strip()}", environment=True)
+    return chosen
+
+
+# ---------------------------------------------------------------------------- which features run here
+
+
+def _call_objects(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The objects a call is on: its receiver (``args[0]``) and the models it is handed as a list (fairseq's
+    ``SequenceGenerator.generate(models, sample)``; a list, tuple or torch ``ModuleList``)."""
+    if not args:
+        return ()
+    if len(args) > 1 and (isinstance(args[1], list | tuple) or type(args[1]).__name__ == "ModuleList"):
+        return (args[0], *args[1])
+    return (args[0],)
+
+
+def _features_for(args: tuple[Any, ...] = ()) -> tuple[frozenset[str], _Layer | None]:
+    """The features on for a call with positional ``args`` in this thread/task, and, when they come from a
+    model's own mode, the block the call must run in so that the hooks it reaches (which do not see the
+    model) use them too. The innermost block wins, then the model's own mode, then :func:`enable`'s choice.
+    Read by every dispatcher: without model-specific rules anywhere it is one ``ContextVar`` read."""
+    layer = _scope.get()
+    if not _state.model_rules:
+        return (_state.on if layer is None else layer.features), None
+    if _state.pending:
+        _commit_pending(threading.get_ident())
+    objects = _call_objects(args)
+    innermost = layer
+    while layer is not None:
+        if layer.model is None:
+            return layer.features, None
+        if any(target is obj for target in layer.model for obj in objects):
+            return layer.features, _Layer(layer.features, layer.name, None, innermost)
+        layer = layer.parent
+    for obj in objects:
+        entry = _state.model_modes.get(id(obj))
+        if entry is not None and entry[0]() is obj:
+            return entry[1], _Layer(entry[1], entry[2], None, innermost)
+    return _state.on, None
+
+
+def feature_enabled(feature: str) -> bool:
+    """True while ``feature`` is on for calls made here (this thread/task's block, else the process-wide
+    selection): cheap enough to ask per call, outside a model's forward (it reads a ``ContextVar``)."""
+    return feature in _features_for()[0]
+
+
+feature_on = feature_enabled
+
+
+def active() -> bool:
+    """True when some fastgen feature is on here: False inside :func:`unpatched` or with fastgen disabled."""
+    return bool(_features_for()[0])
+
+
+def current_mode(model: Any = None) -> str:
+    """The mode calls made here run in (on ``model``, when given): ``exact``, ``fast``, ``int8``, ``off`` (no
+    feature: :func:`unpatched`, or fastgen disabled) or ``custom`` (a selection of features that is no mode)."""
+    with _lock:
+        return mode_name(_features_for(() if model is None else (model,))[0])
+
+
+# ---------------------------------------------------------------------------- installing
+
+
+def _problem(feature: str, message: str) -> None:
+    """Why some of ``feature``'s patches cannot run: warned now if the feature is on (here or process-wide),
+    else when a block first asks for it (an unused opt-in feature stays silent)."""
+    known = _state.problems.setdefault(feature, [])
+    if message not in known:
+        known.append(message)
+    if feature in _state.on or feature in _features_for()[0]:
+        _warn_once(feature, message)
+
+
+def _warn_problems(features: Iterable[str]) -> None:
+    for feature in features:
+        for message in _state.problems.get(feature, ()):
+            _warn_once(feature, message)
+
+
+def _install() -> None:
+    """Install the patches of every declared feature (pending where the module is not imported yet)."""
+    _state.installed = True
+    for patch in declared_patches():
+        if patch in _state.applied:
+            continue
+        problem = version_problem(patch)
+        if problem:
+            _state.status[patch] = f"skipped: {problem}"
+            if installed_version(patch.package) is not None:
+                _problem(patch.feature, problem)
+        elif patch.module in sys.modules:
+            _apply(patch)
+        else:
+            _state.status[patch] = f"pending: applied when {patch.module} is imported"
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+def _uninstall() -> None:
+    for patch in reversed(list(_state.applied)):  # stacked patches (_stacks_on) unwind in order
+        _restore(patch)
+    _state.installed = False
+    _state.status.clear()
+    _state.problems.clear()
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+
+
+def _hold() -> None:
+    """A block starts: the patches stay installed until it ends, even if fastgen is disabled meanwhile."""
+    with _lock:
+        _state.holders += 1
+        if not _state.installed:
+            _install()
+
+
+def _release() -> None:
+    with _lock:
+        _state.holders -= 1
+        if _state.installed and not (_state.holders or _state.sticky or _state.enabled_features is not None):
+            _uninstall()
 
 
 # ---------------------------------------------------------------------------- public API
 
 
-def _feature_names(features: str | Iterable[str]) -> list[str]:
-    """``"ngram"``, ``"NGram, dedup"`` or ``["ngram", " Dedup "]`` -> ``["ngram", "dedup"]``."""
-    items = features.split(",") if isinstance(features, str) else list(features)
-    if not all(isinstance(item, str) for item in items):
-        raise TypeError(f"fastgen features are names (str), got {items!r}")
-    return [name for item in items if (name := item.strip().lower())]
+def enable(features: str | Iterable[str] | None = None, *, mode: str | None = None) -> None:
+    """Switch fastgen on for the whole process, in a mode or with a selection of features.
 
+    ``mode``: ``"exact"`` (the default: every feature but the opt-in ones; tokens equal upstream's),
+    ``"fast"`` (adds ``fast_gemm``) or ``"int8"`` (adds ``int8``); see :data:`MODES`.
 
-def _features_from_env(known: list[str]) -> list[str] | None:
-    """``FASTGEN_FEATURES`` as a selection (None: unset or empty). A typo warns, never raises."""
-    names = _feature_names(os.environ.get("FASTGEN_FEATURES", ""))
-    if not names:
-        return None
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        log.warning(
-            "%sFASTGEN_FEATURES: ignoring unknown feature(s) %s; known features: %s",
-            origin(),
-            ", ".join(unknown),
-            ", ".join(known),
-        )
-    return [name for name in names if name in known]
+    ``features``: a name, a comma-separated string or a list of names (case and spaces ignored), either
+    the full selection (``enable(["ngram", "dedup"])``, ``[]`` for none: fastgen stays importable and
+    :func:`status` lists every patch as not selected), or changes to the defaults, or to ``mode``'s
+    features: ``enable("+int8")``, ``enable("-speculative", mode="int8")``. A lone opt-in name,
+    ``enable("int8")``, keeps its old meaning (int8 *alone*, every default feature off) and says so once.
 
-
-def enable(features: str | Iterable[str] | None = None) -> None:
-    """Apply the declared patches (all, or only the named features).
-
-    ``features`` is a name, a comma-separated string or a list of names (case and spaces ignored);
-    ``None`` honours ``FASTGEN_FEATURES=a,b``, else enables everything but
-    ``OPT_IN_FEATURES``; ``[]`` enables none
-    (fastgen stays importable and ``status()`` lists every patch as not selected). An unknown name
-    raises ``ValueError`` (in ``FASTGEN_FEATURES`` it only warns, so a typo never breaks an import).
-    Patches of a module not imported yet are applied when it is imported. Calling again re-selects.
+    With neither, ``FASTGEN_MODE`` and ``FASTGEN_FEATURES`` (same syntax) decide, else mode ``exact``; a
+    name fastgen does not know there only warns (an import never breaks), but here it raises
+    ``ValueError``. Patches of a module not imported yet are applied when it is imported. Calling again
+    re-selects (and re-installs every patch: a call of another thread running meanwhile may see upstream's
+    code for part of it; to change the mode of some calls, use :func:`mode` instead). Blocks
+    (:func:`mode`, :func:`patched`, :func:`unpatched`) and models' own modes take precedence here.
     """
     known = known_features()
-    wanted = _feature_names(features) if features is not None else _features_from_env(known)
-    unknown = [name for name in wanted or [] if name not in known]
-    if unknown:
-        raise ValueError(f"unknown fastgen feature(s): {', '.join(unknown)}; known features: {', '.join(known)}")
+    if features is None and mode is None:
+        chosen = _from_environment(known)
+    else:
+        base = mode_features(mode) if mode is not None else None
+        names = _feature_names(features) if features is not None else []
+        chosen = _choose(names, base, known)
+        if names and not any(name[0] in "+-" for name in names):
+            _alone_hint(chosen, f"fastgen.enable({','.join(names)!r})", environment=False)
     with _lock:
-        disable()
-        _state.enabled_features = set(known) - OPT_IN_FEATURES if wanted is None else set(wanted)
-        for patch in _selected(declared_patches()):
-            problem = version_problem(patch)
-            if problem:
-                _state.status[patch] = f"skipped: {problem}"
-                if installed_version(patch.package) is not None:
-                    _warn_once(patch.feature, problem)
-            elif patch.module in sys.modules:
-                _apply(patch)
-            else:
-                _state.status[patch] = f"pending: applied when {patch.module} is imported"
-        if _finder not in sys.meta_path:
-            sys.meta_path.insert(0, _finder)
+        if _state.installed:
+            _uninstall()
+        _state.enabled_features = set(chosen)
+        _state.on = frozenset(chosen)
+        _install()
 
 
 def disable() -> None:
-    """Undo every patch, restoring the exact original objects; stop patching on import."""
+    """Switch fastgen off for the process: every patch is undone, the exact original objects restored, and
+    modules imported later are left alone. A block of another thread still running keeps the patches
+    installed until it ends (they run upstream's code for every call outside such a block)."""
     with _lock:
-        for patch in reversed(list(_state.applied)):  # stacked patches (_stacks_on) unwind in order
-            _restore(patch)
         _state.enabled_features = None
-        _state.status.clear()
-        if _finder in sys.meta_path:
-            sys.meta_path.remove(_finder)
+        _state.on = frozenset()
+        _state.sticky = False
+        if not _state.holders:
+            _uninstall()
 
 
 def is_enabled() -> bool:
+    """Whether fastgen is switched on for the process (:func:`enable`, or ``import fastgen``)."""
     return _state.enabled_features is not None
 
 
-def feature_enabled(feature: str) -> bool:
-    """True while ``feature`` is selected by :func:`enable` (cheap enough to ask per call)."""
-    chosen = _state.enabled_features
-    return chosen is not None and feature in chosen
-
-
-def active() -> bool:
-    """True unless the current context is inside :func:`unpatched`."""
-    return _active.get()
+@contextlib.contextmanager
+def _block(features: frozenset[str], name: str) -> Iterator[None]:
+    _hold()
+    try:
+        with _lock:
+            _warn_problems(features)
+        token = _scope.set(_Layer(features, name, None, _scope.get()))
+        try:
+            yield
+        finally:
+            _scope.reset(token)
+    finally:
+        _release()
 
 
 @contextlib.contextmanager
 def unpatched() -> Iterator[None]:
     """Run upstream code inside the block (this thread/task only); patches stay installed."""
-    token = _active.set(False)
+    token = _scope.set(_Layer(frozenset(), "off", None, _scope.get()))
     try:
         yield
     finally:
-        _active.reset(token)
+        _scope.reset(token)
 
 
-@contextlib.contextmanager
-def patched(features: str | Iterable[str] | None = None) -> Iterator[None]:
-    """Enable fastgen (optionally only ``features``) inside the block, then restore the previous state."""
-    previous = None if _state.enabled_features is None else set(_state.enabled_features)
-    enable(features)
-    token = _active.set(True)
-    try:
-        yield
-    finally:
-        _active.reset(token)
-        if previous is None:
-            disable()
-        else:
-            enable(previous)
+def patched(
+    features: str | Iterable[str] | None = None, *, mode: str | None = None
+) -> contextlib.AbstractContextManager[None]:
+    """Run fastgen inside the block, this thread/task only: with ``features`` / ``mode`` as :func:`enable`
+    takes them, or, with neither, what ``import fastgen`` selects (``FASTGEN_MODE`` / ``FASTGEN_FEATURES``,
+    else mode ``exact``). Other threads, and this one after the block, run as before; it works with
+    fastgen disabled too (the patches are installed for the block)."""
+    known = known_features()
+    if features is None and mode is None:
+        chosen = _from_environment(known)
+    else:
+        chosen = _choose(
+            _feature_names(features) if features is not None else [],
+            mode_features(mode) if mode is not None else None,
+            known,
+        )
+    return _block(chosen, mode_name(chosen))
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A ``mode(name, model=m)`` handle not entered yet: it becomes the models' mode when it is dropped
+    without being entered (a plain call), or when its thread next asks which features run."""
+
+    thread: int
+    targets: tuple[Any, ...]
+    features: frozenset[str] | None
+    name: str | None
+
+
+def _targets(model: Any) -> tuple[Any, ...]:
+    """``model`` and the models it holds as ``.models`` (a fairseq hub interface or ensemble), so that a
+    mode set on it reaches the calls that receive those."""
+    held = getattr(model, "models", None)
+    inner = tuple(held) if isinstance(held, list | tuple) or type(held).__name__ == "ModuleList" else ()
+    targets = (model, *inner)
+    for target in targets:
+        try:
+            weakref.ref(target)
+        except TypeError:
+            raise TypeError(f"fastgen.mode(model=...): a {type(target).__name__} cannot carry a mode") from None
+    return targets
+
+
+def _recount() -> None:
+    _state.model_rules = len(_state.model_modes) + len(_state.pending) + _state.model_rules_in_blocks
+
+
+def _commit(pending: _Pending) -> None:
+    """``pending`` becomes its models' own mode (under ``_lock``)."""
+    for target in pending.targets:
+        key = id(target)
+        if pending.features is None:
+            _state.model_modes.pop(key, None)
+            continue
+
+        def forget(ref: Any, key: int = key) -> None:
+            with _lock:
+                entry = _state.model_modes.get(key)
+                if entry is not None and entry[0] is ref:
+                    del _state.model_modes[key]
+                    _recount()
+
+        _state.model_modes[key] = (weakref.ref(target, forget), pending.features, pending.name or "custom")
+    _recount()
+
+
+def _commit_pending(thread: int) -> None:
+    with _lock:
+        for key, pending in list(_state.pending.items()):
+            if pending.thread == thread and _state.pending.pop(key, None) is not None:
+                _commit(pending)
+
+
+class ModeScope:
+    """What :func:`mode` returns: a context manager; with ``model=`` not entered, that model's mode."""
+
+    def __init__(self, name: str | None, model: Any = None) -> None:
+        if name is None and model is None:
+            raise TypeError("fastgen.mode(None) needs model=: it clears that model's own mode")
+        self.name = None if name is None else _mode_key(name)
+        self.features = None if self.name is None else mode_features(self.name)
+        self.model = model
+        self._tokens: list[contextvars.Token[_Layer | None]] = []
+        self._entered = False
+        if model is None:
+            return
+        targets = _targets(model)
+        with _lock:
+            if self.features is not None and not _state.installed:
+                _install()  # a model's own mode works with fastgen disabled, as a block does
+                _state.sticky = True
+            _state.pending[id(self)] = _Pending(threading.get_ident(), targets, self.features, self.name)
+            _recount()
+        self._targets = targets
+
+    def __enter__(self) -> ModeScope:
+        if self.features is None:
+            raise TypeError("fastgen.mode(None, model=m) clears m's own mode: call it, don't enter it")
+        with _lock:
+            if self.model is not None and not self._entered and _state.pending.pop(id(self), None) is None:
+                raise RuntimeError(
+                    f"fastgen.mode({self.name!r}, model=...) already became the model's own mode (its thread "
+                    "ran fastgen since); to confine a mode to a block, enter it where it is made: "
+                    f"with fastgen.mode({self.name!r}, model=m): ..."
+                )
+            self._entered = True
+            if self.model is not None:
+                _state.model_rules_in_blocks += 1
+                _recount()
+        _hold()
+        with _lock:
+            _warn_problems(self.features)
+        model = self._targets if self.model is not None else None
+        self._tokens.append(_scope.set(_Layer(self.features, self.name or "custom", model, _scope.get())))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _scope.reset(self._tokens.pop())
+        if self.model is not None:
+            with _lock:
+                _state.model_rules_in_blocks -= 1
+                _recount()
+        _release()
+
+    def __del__(self) -> None:
+        try:
+            if self.model is not None:
+                with _lock:
+                    pending = _state.pending.pop(id(self), None)
+                    if pending is not None:
+                        _commit(pending)
+            elif not self._entered:
+                log.warning(
+                    "%sfastgen.mode(%r) was never entered, so it changed nothing: `with fastgen.mode(%r): ...` "
+                    "runs a block of this thread in it, fastgen.enable(mode=%r) the whole process",
+                    origin(),
+                    self.name,
+                    self.name,
+                    self.name,
+                )
+        except Exception:  # interpreter shutdown: nothing left to set
+            pass
+
+    def __repr__(self) -> str:
+        where = "" if self.model is None else f", model={type(self.model).__name__}"
+        return f"fastgen.mode({self.name!r}{where})"
+
+
+def mode(name: str | None, *, model: Any = None) -> ModeScope:
+    """Run calls in mode ``name`` (``"exact"``, ``"fast"`` or ``"int8"``, see :data:`MODES`): for one block of
+    this thread/task, or, with ``model=``, for one model.
+
+    ``with fastgen.mode("int8"): ...`` runs every call in the block in int8, in this thread or asyncio task
+    only (other threads keep their mode, even on the same model).
+
+    ``model=m``, two uses:
+
+    * ``fastgen.mode("int8", model=m)`` as a statement sets ``m``'s own mode: every later call on ``m``
+      (``m.generate``, ``fastgen.generate_many(m, ...)``, a fairseq ``SequenceGenerator`` handed ``m``), from
+      any thread, runs in int8 until changed; ``fastgen.mode(None, model=m)`` clears it. Calls on other
+      models keep the process-wide mode.
+    * ``with fastgen.mode("int8", model=m): ...`` runs only this thread's calls on ``m`` in int8, for the block
+      (``m``'s own mode, if any, is left as it was).
+
+    A block is stronger than a model's own mode, which is stronger than :func:`enable`'s (``FASTGEN_MODE``);
+    the innermost block wins (``with fastgen.unpatched():`` runs upstream even on a model with a mode). A
+    call's mode holds for the whole call, the models it calls included (an assistant model's drafts). Blocks
+    and models' modes work with fastgen disabled as well.
+    """
+    return ModeScope(name, model)
+
+
+class _Frozen:
+    """A block that re-enters one fixed choice of features (reusable, e.g. around each step of a lazy result)."""
+
+    def __init__(self, layer: _Layer) -> None:
+        self.layer = layer
+        self._tokens: list[contextvars.Token[_Layer | None]] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_scope.set(self.layer))
+
+    def __exit__(self, *exc: object) -> None:
+        _scope.reset(self._tokens.pop())
+
+
+def call_scope(model: Any) -> contextlib.AbstractContextManager[None]:
+    """The features in force here for a call on ``model``, decided now, as a block to run the call's parts in
+    (for fastgen's own loops, whose hooks do not see the model: see :func:`each_in`)."""
+    features = _features_for((model,))[0]
+    return _Frozen(_Layer(features, mode_name(features)))
+
+
+def each_in(scope: contextlib.AbstractContextManager[None], results: Iterable[Any]) -> Iterator[Any]:
+    """``results``, each item computed inside ``scope``: a lazy result runs in the mode of its call, wherever
+    and whenever it is read (and nothing stays switched on between two items)."""
+    iterator = iter(results)
+    while True:
+        with scope:
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+        yield item
+
+
+# ---------------------------------------------------------------------------- status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,12 +992,22 @@ class PatchStatus:
 
 
 class StatusTable(list[PatchStatus]):
-    """A list of :class:`PatchStatus` that prints as a table 80 columns wide, grouped by module."""
+    """A list of :class:`PatchStatus` that prints as a table 80 columns wide, grouped by module; ``mode`` and
+    ``features`` are those of the calls made where it was taken (``source`` says what set them)."""
 
     WIDTH = 80
+    mode: str = "off"
+    features: tuple[str, ...] = ()
+    source: str = ""
+    models_with_a_mode: int = 0
 
     def __str__(self) -> str:
-        lines = [
+        lines = textwrap.wrap(f"fastgen mode: {self.mode} ({self.source})", self.WIDTH, subsequent_indent="  ")
+        features = f"features on: {', '.join(self.features) or 'none'}"
+        lines += textwrap.wrap(features, self.WIDTH, initial_indent="  ", subsequent_indent="    ")
+        if self.models_with_a_mode:
+            lines.append(f"  {self.models_with_a_mode} model(s) with a mode of their own (fastgen.mode(..., model=))")
+        lines += [
             "fastgen patches ('pending': applied when its module is imported)",
             f"  {'feature':<12} {'state':<9} target",
         ]
@@ -538,17 +1026,30 @@ class StatusTable(list[PatchStatus]):
 
 
 def status() -> StatusTable:
-    """Every declared patch with its state: applied, pending (module not imported), skipped (why), disabled."""
+    """Every declared patch with its state for calls made here (this thread/task, in its block if any):
+    applied, pending (module not imported), skipped (why), disabled (feature not on here, or fastgen off);
+    and the mode those calls run in."""
     with _lock:
+        here = _features_for()[0]
+        layer = _scope.get()
+        off = not _state.installed or (_state.enabled_features is None and layer is None)
         rows = StatusTable()
-        selected = set(_selected(declared_patches()))
+        rows.mode = mode_name(here)
+        rows.features = tuple(f for f in known_features() if f in here)
+        if layer is not None:
+            rows.source = "a fastgen.mode() / patched() / unpatched() block"
+        elif _state.enabled_features is None:
+            rows.source = "fastgen disabled: fastgen.disable() or FASTGEN_DISABLE=1"
+        else:
+            rows.source = "process-wide: fastgen.enable() or FASTGEN_MODE"
+        rows.models_with_a_mode = len({entry[0] for entry in _state.model_modes.values()})
         for patch in declared_patches():
-            if patch in _state.status:
-                state = _state.status[patch]
-            elif _state.enabled_features is None:
+            if off:
                 state = "disabled: fastgen.disable() or FASTGEN_DISABLE=1"
-            elif patch not in selected:
+            elif patch.feature not in here:
                 state = "disabled: feature not selected"
+            elif patch in _state.status:
+                state = _state.status[patch]
             else:
                 state = "pending"
             rows.append(PatchStatus(patch.feature, patch.target, state))

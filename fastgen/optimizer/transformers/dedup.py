@@ -182,12 +182,13 @@ def make_get_interface(original: Callable[..., Any]) -> Callable[..., Any]:
     dispatcher (``traced=True``) and must not break a ``torch.compile`` graph: under compilation it
     returns upstream's function untouched (the per-call checks in ``shared_modes.model_problem``
     keep the deduplicated layout out of compiled forwards), and only in eager mode does it read
-    whether fastgen is active and hand out the wrapped function.
+    whether ``dedup`` is on for this call (installed, the hook serves every thread) and hand out the
+    wrapped function.
     """
 
     def get_interface(self: Any, attn_implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
         attention = original(self, attn_implementation, default)
-        if torch.compiler.is_compiling() or not registry.active():
+        if torch.compiler.is_compiling() or not registry.feature_enabled(FEATURE):  # dedup on for this call?
             return attention
         if attn_implementation in GROUPABLE_IMPLEMENTATIONS:
             attention = grouped_attention(attention)
