@@ -1,6 +1,18 @@
 """``exact_linear``: ``F.linear`` on CPU fp32 in the fastest form that gives the same bits.
 
-Why: at the row counts of a decode step (a few to a few dozen hypotheses) MKL's single
+Two kinds of candidate forms, both kept only where they proved identical on the real input:
+
+* **ordered** (fastgen's kernel ``fastgen_cpu::ordered_linear``, :mod:`fastgen.ops.cpu_kernels`): upstream's
+  bits are an order of additions, not a library. On the CPUs measured so far MKL computes each output
+  element as the bias plus, block after block of ``B`` consecutive ``k``, a sequential FMA chain over the
+  block (B = 384 on an AMD EPYC Zen 5 with torch 2.13's MKL for most shapes at one thread; other shapes,
+  thread counts and CPUs differ). The kernel computes exactly such chains, for any block length and the
+  bias first or last, at AVX-512/AVX2 speed; the calibration tries every order in :data:`ORDER_BLOCKS`
+  and keeps one only if it is ``torch.equal`` to ``F.linear`` (a 1-row or 4-row product takes MKL's other
+  paths and never matches: it keeps ``F.linear``). ``FASTGEN_EXACT_KERNEL=0`` turns this form off.
+* **blocked**:
+
+  at the row counts of a decode step (a few to a few dozen hypotheses) MKL's single
 ``sgemm`` for a tall weight (the vocabulary projection, 50k x 768) runs well below what the CPU
 can do; the same product computed in column blocks of the weight (``out[:, j:j+b] = x @ w[j:j+b].T``)
 is often faster, and — because each output element is still one dot product over the same ``K``
@@ -26,12 +38,15 @@ upstream's op.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from fastgen.ops import cpu_kernels
 
 #: Column block sizes tried by the calibration (those smaller than the weight's row count).
 BLOCK_SIZES: tuple[int, ...] = (512, 1024, 2048, 4096)
@@ -50,6 +65,16 @@ MAX_CALIBRATION_MACS = 2e9
 #: spent at most as much as the calibration before the calibration starts paying back.
 CALIBRATE_AFTER = 16
 
+#: k-block lengths of the summation orders the calibration tries with the ordered kernel (each with the
+#: bias added first and last); a block at least K long is one chain.
+ORDER_BLOCKS: tuple[int, ...] = (64, 96, 128, 192, 256, 320, 384, 448, 512)
+#: Columns of the weight the orders are first screened on (the kernel's columns are independent, so a
+#: wrong order shows on a slice); the survivors are checked on the whole product.
+SCREEN_COLUMNS = 48
+#: ``FASTGEN_EXACT_KERNEL=0`` keeps the ordered kernel out of every calibration.
+ORDERED_ENV = "FASTGEN_EXACT_KERNEL"
+BIAS_FIRST, BIAS_LAST = 0, 1
+
 Key = tuple[int, int, bool, int, int, int, int]
 
 
@@ -57,10 +82,11 @@ Key = tuple[int, int, bool, int, int, int, int]
 class Choice:
     """What the calibration decided for one key, with its evidence (for reports and tests)."""
 
-    form: str  # "linear" or "blocked<size>"
+    form: str  # "linear", "blocked<size>" or "ordered<block>-bias-first|last"
     block: int | None
     times_ms: dict[str, float]  # median per candidate (identical ones only)
     not_identical: tuple[str, ...]  # candidates dropped because their bits differed
+    order: tuple[int, int] | None = None  # the ordered kernel's (block, bias place)
 
 
 _choices: dict[Key, Choice] = {}
@@ -81,6 +107,75 @@ def _blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, b
         else:
             torch.addmm(bias[start:stop], x, weight[start:stop].t(), out=out[:, start:stop])
     return out
+
+
+_background_load: list[threading.Thread] = []
+
+
+def ordered_kernel() -> Callable[..., torch.Tensor] | None:
+    """``fastgen_cpu::ordered_linear`` when it can run now, else None (never waits for a compiler).
+
+    Prebuilt or cached kernels load at once; otherwise their build starts once in a background thread
+    (the exact mode runs ``F.linear`` meanwhile) and later calibrations use them.
+    """
+    if os.environ.get(ORDERED_ENV, "1").strip().lower() in cpu_kernels.OFF:
+        return None
+    if not cpu_kernels.loaded() and not cpu_kernels.available(build=False):
+        if not _background_load and cpu_kernels.can_build():
+            thread = threading.Thread(target=cpu_kernels.unavailable_reason, name="fastgen-cpu-kernels", daemon=True)
+            _background_load.append(thread)
+            thread.start()
+        return None
+    ops = getattr(torch.ops, "fastgen_cpu", None)
+    return getattr(ops, "ordered_linear", None) if ops is not None else None
+
+
+def _orders(weight: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[int, int]]:
+    """The distinct (block, bias place) orders for this weight (blocks >= K are one chain; no bias: one place)."""
+    k = weight.shape[1]
+    blocks = sorted({min(block, k) for block in ORDER_BLOCKS})
+    places = (BIAS_FIRST,) if bias is None else (BIAS_FIRST, BIAS_LAST)
+    return [(block, place) for block in blocks for place in places]
+
+
+def _order_name(order: tuple[int, int]) -> str:
+    return f"ordered{order[0]}-bias-{'first' if order[1] == BIAS_FIRST else 'last'}"
+
+
+def _ordered_candidates(
+    x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reference: torch.Tensor
+) -> tuple[dict[str, Callable[[], torch.Tensor]], list[str], dict[str, tuple[int, int]]]:
+    """Orders whose kernel result equals ``reference``: screened on a column slice, then on the whole, then
+    on a random probe of the same shape.
+
+    The probe is why a choice may serve other weights of the shape: the real input can hide an order (a
+    zero bias, BART's initial one, makes "bias first" and "bias last" alike; zeros in ``x`` shorten
+    chains), a random input and bias of full width cannot.
+    """
+    op = ordered_kernel()
+    if op is None:
+        return {}, [], {}
+    cols = min(SCREEN_COLUMNS, weight.shape[0])
+    w_slice, b_slice = weight[:cols], None if bias is None else bias[:cols]
+    generator = torch.Generator().manual_seed(0)
+    probe_x = torch.randn(x2.shape, generator=generator)
+    probe_b = None if bias is None else torch.randn(bias.shape, generator=generator)
+    probe_reference = F.linear(probe_x, weight, probe_b)
+    candidates: dict[str, Callable[[], torch.Tensor]] = {}
+    orders: dict[str, tuple[int, int]] = {}
+    not_identical = []
+    for order in _orders(weight, bias):
+        name = _order_name(order)
+        run = (lambda o: lambda: op(x2, weight, bias, *o))(order)
+        if (
+            torch.equal(op(x2, w_slice, b_slice, *order), reference[:, :cols])
+            and torch.equal(run(), reference)
+            and torch.equal(op(probe_x, weight, probe_b, *order), probe_reference)
+        ):
+            candidates[name], orders[name] = run, order
+        else:
+            not_identical.append(name)
+    return candidates, not_identical, orders
 
 
 def _key(x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Key:
@@ -110,7 +205,7 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return "shapes F.linear must judge"
     if not (x.is_contiguous() and weight.is_contiguous() and (bias is None or bias.is_contiguous())):
         return "non-contiguous tensors"
-    if weight.shape[0] < MIN_OUT_FEATURES:
+    if weight.shape[0] < MIN_OUT_FEATURES and ordered_kernel() is None:
         return "too few output features to block"
     if x.numel() == 0:
         return "empty input"
@@ -138,8 +233,7 @@ def calibrate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     result = F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     reference = result.reshape(x2.shape[0], weight.shape[0])
-    candidates: dict[str, Callable[[], torch.Tensor]] = {}
-    not_identical = []
+    candidates, not_identical, orders = _ordered_candidates(x2, weight, bias, reference)
     for block in BLOCK_SIZES:
         if block >= weight.shape[0]:
             continue
@@ -158,8 +252,8 @@ def calibrate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
             times[name].append(time.perf_counter() - start)
     medians = {name: _median(values) * 1e3 for name, values in times.items()}
     best = pick(medians)
-    block = None if best == "linear" else int(best.removeprefix("blocked"))
-    return Choice(best, block, medians, tuple(not_identical)), result
+    block = int(best.removeprefix("blocked")) if best.startswith("blocked") else None
+    return Choice(best, block, medians, tuple(not_identical), orders.get(best)), result
 
 
 def choice_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Choice | None:
@@ -190,6 +284,9 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                 choice, result = calibrate(x, weight, bias)
                 _choices[key] = choice
                 return result
+    if choice.order is not None:
+        op = torch.ops.fastgen_cpu.ordered_linear
+        return op(x2, weight, bias, *choice.order).reshape(*x.shape[:-1], weight.shape[0])
     if choice.block is None:
         return F.linear(x, weight, bias)
     return _blocked(x2, weight, bias, choice.block).reshape(*x.shape[:-1], weight.shape[0])

@@ -35,19 +35,20 @@ def installed(module: torch.nn.Module) -> bool:
 
 
 def plain_linears(model: torch.nn.Module, skip: Iterable[torch.nn.Module] = ()) -> list[torch.nn.Linear]:
-    """The model's plain CPU fp32 contiguous ``nn.Linear`` modules wide enough for another exact form
-    (``linear.MIN_OUT_FEATURES`` outputs; narrower ones always run ``F.linear``, and a forward of ours
-    there would only add its checks to every call: measured slower on a small model) that no one else
-    has a forward on."""
+    """The model's plain CPU fp32 contiguous ``nn.Linear`` modules that another exact form may serve and
+    that no one else has a forward on: every width where fastgen's ordered kernel is loaded, else those
+    with ``linear.MIN_OUT_FEATURES`` outputs (narrower ones always run ``F.linear`` then, and a forward
+    of ours there would only add its checks to every call: measured slower on a small model)."""
     chosen: dict[int, torch.nn.Linear] = {id(module): module for module in skip}
     found: list[torch.nn.Linear] = []
+    ordered = linear.ordered_kernel() is not None  # fastgen's ordered kernel serves any width
     for module in model.modules():
         if type(module) is not torch.nn.Linear or id(module) in chosen:
             continue
         if "forward" in module.__dict__ and not installed(module):
             continue  # someone else's instance forward (an opt-in linear mode's included)
         weight, bias = module.weight, module.bias
-        if weight.dim() != 2 or weight.shape[0] < linear.MIN_OUT_FEATURES:
+        if weight.dim() != 2 or (weight.shape[0] < linear.MIN_OUT_FEATURES and not ordered):
             continue
         tensors = (weight,) if bias is None else (weight, bias)
         if all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
