@@ -677,7 +677,7 @@ def bar_chart(title: str, bars: list[tuple[str, float, str]], note: str = "") ->
     x = lambda v: label_w + bar_w * v / vmax  # noqa: E731
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" '
-        f'aria-label="{html.escape(title)}" style="max-width:100%;height:auto;font-family:sans-serif;font-size:12px">',
+        f'aria-label="{html.escape(title)}" width="100%" style="height:auto;font-family:sans-serif;font-size:12px">',
         f'<text x="0" y="16" font-size="14" font-weight="bold">{html.escape(title)}</text>',
     ]
     lx = 0
@@ -700,17 +700,17 @@ def bar_chart(title: str, bars: list[tuple[str, float, str]], note: str = "") ->
     out.append(f'<text x="{one:.1f}" y="{bottom + 16}" text-anchor="middle">1.0× = upstream</text>')
     out.append("</svg>")
     caption = f"<figcaption>{note}</figcaption>" if note else ""
-    return '<figure class="fastgen-chart">' + "".join(out) + caption + "</figure>"
+    return '<figure class="fastgen-chart" style="width:100%;max-width:52rem">' + "".join(out) + caption + "</figure>"
 
 
 # ------------------------------------------------------------------------- CPU modes vs CTranslate2
 
 _CANDIDATES = {
-    "fastgen": "fastgen exact (default)",
-    "fastgen_fast": "fastgen fast_gemm",
-    "fastgen_int8": "fastgen int8",
-    "ctranslate2": "CTranslate2 fp32",
-    "ctranslate2_int8": "CTranslate2 int8",
+    "fastgen": "exact (default)",
+    "fastgen_fast": "fast",
+    "fastgen_int8": "int8",
+    "ctranslate2": "CT2 fp32",
+    "ctranslate2_int8": "CT2 int8",
 }
 _SEARCH = {
     "beam4-norepeat3": "beam 4, no-repeat 3",
@@ -745,48 +745,54 @@ def _where(path: Path, r: dict) -> str:
     return f"{env.get('device', '?')}, {short_kind(env)}, {result_date(path)}"
 
 
+def _setting(r: dict, mode: str) -> str:
+    return f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}, {_SEARCH.get(mode, mode)}"
+
+
 def ctranslate2_current() -> str:
-    """The CPU modes against upstream and CTranslate2 on the newest runs: two narrow tables."""
+    """The CPU modes against upstream and CTranslate2 (CT2) on the newest runs: two narrow tables."""
     files, _ = _ctranslate2_files()
     if not files:
         return ""
     first = json.loads(files[0].read_text())
     s = first.get("settings", {})
     shape = f", {s['batch']}×{s['input_len']}→{s['new_tokens']}" if s else ""
-    head = (
-        f"**CPU, {first['scenario']} shape{shape} (equal work forced), {_where(files[0], first)}**: "
-        "speed-up over upstream Transformers, wall clock, medians"
-    )
-    speed = [
-        "| threads | search | " + " | ".join(_CANDIDATES.values()) + " |",
-        "|---" * (2 + len(_CANDIDATES)) + "|",
-    ]
+    speed = ["| setting | " + " | ".join(_CANDIDATES.values()) + " |", "|---" * (1 + len(_CANDIDATES)) + "|"]
     versus = [
-        "| threads | search | exact / CT2 fp32 | fast_gemm / CT2 fp32 | int8 / CT2 int8 | exact = upstream "
-        "| tokens = upstream: fast_gemm / int8 / CT2 int8 | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| setting | exact / CT2 fp32 | fast / CT2 fp32 | int8 / CT2 int8 "
+        "| tokens = upstream: fast / int8 / CT2 int8 |",
+        "|---|---|---|---|---|",
     ]
+    loads: list[float] = []
+    exact_identical = True
     for path in files:
         r = json.loads(path.read_text())
         for mode, e in r["modes"].items():
             m = e["median_wall_seconds"]
-            up = m["upstream"]
-            cells = [_x(up / m[c]) if m.get(c) else "–" for c in _CANDIDATES]
-            speed.append(f"| {r['threads']} | {_SEARCH.get(mode, mode)} | " + " | ".join(cells) + " |")
-            exact = "yes" if all(e["identical_to_upstream"].values()) else "NO"
+            cells = [_x(m["upstream"] / m[c]) if m.get(c) else "–" for c in _CANDIDATES]
+            speed.append(f"| {_setting(r, mode)} | " + " | ".join(cells) + " |")
+            exact_identical &= all(e["identical_to_upstream"].values())
             agree = [
                 (e.get(key) or {}).get("token_agreement") for key in ("fast_mode_vs_upstream", "int8_mode_vs_upstream")
             ]
             agree.append(e.get("ctranslate2_int8_token_agreement"))
             tokens = " / ".join("–" if a is None else f"{100 * a:.0f}%" for a in agree)
             int8 = _x(m["ctranslate2_int8"] / m["fastgen_int8"]) if m.get("fastgen_int8") else "–"
-            load = e["load_average_1min"]
+            loads += e["load_average_1min"]
             versus.append(
-                f"| {r['threads']} | {_SEARCH.get(mode, mode)} | **{_x(m['ctranslate2'] / m['fastgen'])}** "
-                f"| **{_x(m['ctranslate2'] / m['fastgen_fast'])}** | **{int8}** | {exact} | {tokens} "
-                f"| {min(load):.1f}–{max(load):.1f} |"
+                f"| {_setting(r, mode)} | **{_x(m['ctranslate2'] / m['fastgen'])}** "
+                f"| **{_x(m['ctranslate2'] / m['fastgen_fast'])}** | **{int8}** | {tokens} |"
             )
-    against = "Against CTranslate2 on the same converted model (above 1.0× fastgen is faster):"
+    head = (
+        f"**CPU, {first['scenario']} shape{shape} (equal work forced), {_where(files[0], first)}**, 1-minute load "
+        f"{min(loads):.1f}–{max(loads):.1f}: speed-up over upstream Transformers (wall clock, medians; CT2 = "
+        "CTranslate2)"
+    )
+    exact = "identical to upstream's in every row" if exact_identical else "NOT identical to upstream's in some row"
+    against = (
+        "Against CTranslate2 on the same converted model (above 1.0× fastgen is faster); the exact mode's tokens "
+        f"were {exact}:"
+    )
     return "\n".join([head, "", *speed, "", against, "", *versus])
 
 
@@ -799,8 +805,7 @@ def chart_cpu_modes() -> str:
             m = e["median_wall_seconds"]
             for key, name in _CANDIDATES.items():
                 if m.get(key):
-                    thread = f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}"
-                    bars.append((f"{r['scenario']}, {_SEARCH.get(mode, mode)}, {thread}", m["upstream"] / m[key], name))
+                    bars.append((f"{r['scenario']}, {_setting(r, mode)}", m["upstream"] / m[key], name))
     if not files:
         return ""
     first = json.loads(files[0].read_text())
