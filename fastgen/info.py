@@ -2,12 +2,16 @@
 
 Transformers' patched modules are imported first so their patches show as applied or skipped;
 fairseq is not imported (slow, and it reconfigures logging), so its patches may show as pending.
+It never compiles anything: the CPU kernels' line says whether they are prebuilt, cached, not built yet
+or unavailable (and why); ``python -m fastgen.info --build`` loads them, building them if need be.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
+import os
 import platform
 import textwrap
 
@@ -80,7 +84,7 @@ def _backend_lines(device: str) -> list[str]:
 
 def _cpu_mode_lines() -> list[str]:
     """The opt-in CPU linear modes' kernels here (fast_gemm: oneDNN; int8: fbgemm, oneDNN or torch._int_mm)."""
-    from fastgen.ops import cpu_kernels, fast_linear, int8_linear
+    from fastgen.ops import cpu_attention, cpu_kernels, fast_linear, int8_linear
 
     isa = [flag for flag in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if flag in int8_linear.cpu_flags()]
     int8 = int8_linear.unavailable() or (
@@ -88,14 +92,37 @@ def _cpu_mode_lines() -> list[str]:
         + (" (oneDNN with the CPU kernels, else per weight)" if int8_linear.backend() == "auto" else "")
         + (", 7-bit activations (no VNNI)" if int8_linear.reduce_range() else "")
     )
-    return [
+    kernels = cpu_kernels.describe()  # builds nothing
+    lines = [
         f"CPU instruction sets: {', '.join(isa) or 'unknown'}",
         f"  fast_gemm (oneDNN packed fp32): {fast_linear.unavailable() or 'ok'}",
         f"  int8: {int8}",
-        # builds them on first use (seconds, once per torch release and CPU)
-        f"  CPU kernels (attention, int8 passes, top-k): {cpu_kernels.unavailable_reason() or 'built and loaded'}",
+        *textwrap.wrap(f"  CPU kernels (csrc/cpu): {kernels}", 100, subsequent_indent="    "),
     ]
+    if os.environ.get("FASTGEN_CPU_ATTENTION", "1").strip().lower() in cpu_kernels.OFF:
+        attention = "off (FASTGEN_CPU_ATTENTION=0)"
+    elif kernels.startswith(("off", "unavailable")):
+        attention = "off (no CPU kernels)"
+    elif cpu_kernels.loaded():  # asking cpu_attention builds nothing once they are loaded
+        reason = cpu_attention.unavailable_reason()
+        attention = "on" if reason is None else f"off ({reason})"
+    else:
+        attention = "on once the CPU kernels are loaded"
+    lines.append(f"  attention kernel (fast modes): {attention}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fastgen.info", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--build", action="store_true", help="load fastgen's CPU kernels first, building them if need be"
+    )
+    if parser.parse_args(argv).build:
+        from fastgen.ops import cpu_kernels
+
+        cpu_kernels.unavailable_reason()
+    print(report())
 
 
 if __name__ == "__main__":
-    print(report())
+    main()
