@@ -10,8 +10,10 @@ class (:data:`LAYERS`, whose forward is exactly ``activation_fn(fc1(hidden_state
 activation of a known kind gets, for the length of the scope, an ``activation_fn`` that passes through
 the one tensor its ``fc1`` just produced with the activation applied (remembered per thread) and applies
 the original activation to anything else (another thread's call, an unexpected input). ``fc1`` fuses
-only while it has no hooks (a hook must see what upstream's ``fc1`` returns). The original module is put
-back when the last scope over the model ends.
+only while neither it nor the layer's activation module has hooks (a hook must see what upstream's
+``fc1`` returns and be called on the activation's input and output): a layer whose activation has hooks
+at the start of the scope keeps it untouched, and a hook added on the stand-in during the scope stops the
+fusion from the next call on. The original module is put back when the last scope over the model ends.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def fusable_layers(model: torch.nn.Module, served: list[torch.nn.Module]) -> lis
             continue
         fc1, activation = getattr(layer, "fc1", None), getattr(layer, "activation_fn", None)
         code = activation_code(activation)
-        if fc1 is not None and id(fc1) in served_ids and code is not None:
+        if fc1 is not None and id(fc1) in served_ids and code is not None and not _hooked(activation):
             found.append((layer, code))
     return found
 
@@ -92,11 +94,24 @@ def remember_fused(output: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def may_fuse(fc1: torch.nn.Module) -> bool:
-    """No hooks that must see upstream's ``fc1`` output."""
-    return not (
-        fc1._forward_hooks
-        or fc1._forward_pre_hooks
+def _hooked(module: torch.nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
         or torch.nn.modules.module._global_forward_hooks
         or torch.nn.modules.module._global_forward_pre_hooks
     )
+
+
+def may_fuse(fc1: torch.nn.Module, layer: torch.nn.Module | None = None) -> bool:
+    """No hooks that must see upstream's ``fc1`` output or the layer's activation (its stand-in and the
+    original it wraps)."""
+    if _hooked(fc1):
+        return False
+    activation = getattr(layer, "activation_fn", None) if layer is not None else None
+    if activation is not None and _hooked(activation):
+        return False
+    original = getattr(activation, "original", None)
+    return not (isinstance(original, torch.nn.Module) and _hooked(original))

@@ -31,7 +31,7 @@ from fastgen.cli import heap
 from fastgen.ops import fast_linear, int8_linear
 from fastgen.ops.fast_linear import is_conv1d
 from fastgen.ops.weight_cache import DerivedWeights
-from fastgen.optimizer import fused_activation, report
+from fastgen.optimizer import exact_scope, fused_activation, report
 from fastgen.optimizer.registry import fallback
 
 __all__ = [
@@ -70,7 +70,7 @@ def _int8_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not int8_linear.runs_int8(module.weight, x) or not _entered_here(module):
         return type(module).forward(module, x)
     activation = _fused_activations.get(id(module))
-    if activation is not None and fused_activation.may_fuse(module):  # the layer's activation, in one pass
+    if activation is not None and fused_activation.may_fuse(module, activation[0]):  # the activation, in one pass
         y = int8_linear.int8_linear(x, _int8_weights.get(module), module.bias, activation[1])
         return fused_activation.remember_fused(y)
     return int8_linear.int8_linear(x, _int8_weights.get(module), module.bias)
@@ -109,7 +109,7 @@ INT8 = LinearMode(
     _int8_weights.refresh,
 )
 
-_lock = threading.Lock()
+_lock = exact_scope.FORWARDS_LOCK  # one lock for every forward fastgen installs (another thread's exact call)
 #: id(fc1) -> (its layer, activation code) while an int8 scope fuses the layer's activation into fc1
 _fused_activations: dict[int, tuple[torch.nn.Module, int]] = {}
 _installed: dict[int, tuple[str, int]] = {}  # id(linear) -> (feature, generate calls using its forward)
@@ -158,8 +158,8 @@ def _candidates(model: torch.nn.Module, mode: LinearMode) -> tuple[list[torch.nn
         if owner not in (None, mode.feature):
             taken = True
             continue
-        if "forward" in module.__dict__ and owner is None:
-            continue  # someone else's instance forward
+        if "forward" in module.__dict__ and owner is None and not exact_scope.installed(module):
+            continue  # someone else's instance forward (the exact one: this mode's goes on top, for its call)
         if mode.module_problem(module) is None:
             chosen[id(module)] = module
     return list(chosen.values()), taken
@@ -168,6 +168,14 @@ def _candidates(model: torch.nn.Module, mode: LinearMode) -> tuple[list[torch.nn
 def packable_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's plain ``nn.Linear`` / ``Conv1D`` modules the packed fp32 path can serve."""
     return _candidates(model, FAST_GEMM)[0]
+
+
+def _still_free(module: torch.nn.Module, mode: LinearMode) -> bool:
+    """Whether ``module`` can still take ``mode``'s forward (another thread may have installed one since)."""
+    owner = installed(module)
+    if owner is not None:
+        return owner == mode.feature
+    return "forward" not in module.__dict__ or exact_scope.installed(module)
 
 
 @contextmanager
@@ -186,6 +194,7 @@ def mode_linears(model: torch.nn.Module, mode: LinearMode, check_weights: bool =
         return
     thread = threading.get_ident()
     with _lock:
+        modules = [module for module in modules if _still_free(module, mode)]  # as of now, under the lock
         _keep_freed_memory_once()
         if check_weights:
             extra = sum(mode.prepare(module) for module in modules)
@@ -217,7 +226,10 @@ def mode_linears(model: torch.nn.Module, mode: LinearMode, check_weights: bool =
                     del threads[thread]
                 if count == 1:
                     del _installed[id(module)], _threads[id(module)]
-                    del module.forward
+                    if exact_scope.installed(module):  # another thread's exact call still runs on it
+                        module.forward = exact_scope.exact_forward(module)
+                    else:
+                        del module.forward
                     fused = _fused_activations.pop(id(module), None)
                     if fused is not None:
                         fused[0].activation_fn = fused[0].activation_fn.original

@@ -78,6 +78,31 @@ def test_a_hook_on_fc1_sees_upstream_output(monkeypatch):
     assert seen and min(seen) < -0.2  # before GELU (whose minimum is about -0.17)
 
 
+@needs_kernels
+@pytest.mark.parametrize("family", ["bart", "marian", "m2m_100", "whisper"])
+@pytest.mark.parametrize("kind", ["forward", "pre"])
+def test_hooks_on_the_activation_run_as_upstream(family, kind):
+    model = harness.tiny_hf_model(family)
+    inputs = harness.tiny_log_mel(model.config) if family == "whisper" else harness.tiny_inputs(model, batch=2)
+    activation = model.get_encoder().layers[0].activation_fn
+    calls = []
+    if kind == "forward":
+        handle = activation.register_forward_hook(lambda m, i, o: calls.append(torch.equal(o, m.forward(i[0]))))
+    else:
+        handle = activation.register_forward_pre_hook(lambda m, i: calls.append(i[0].min().item() < -0.2))
+    try:
+        with fastgen.unpatched():
+            model.generate(**inputs, num_beams=2, max_new_tokens=3)
+        upstream, calls[:] = list(calls), []
+        with fastgen.patched([*DEFAULT_FEATURES, "int8"]):
+            model.generate(**inputs, num_beams=2, max_new_tokens=3)
+    finally:
+        handle.remove()
+    assert upstream and all(upstream)  # the hook sees the activation's own input and output
+    assert len(calls) == len(upstream) and all(calls)
+    assert model.get_encoder().layers[0].activation_fn is activation
+
+
 def test_the_stand_in_passes_through_only_the_fused_tensor():
     stand_in = fused_activation.PassThroughFused(torch.nn.GELU())
     x = torch.randn(4, 8)
