@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastgen
-from fastgen.ops import fast_linear, int8_linear
+from fastgen.ops import cpu_kernels, fast_linear, int8_linear
 from fastgen.ops.weight_cache import DerivedWeights, fingerprint
 from fastgen.optimizer import linear_modes, registry
 from tests import harness
@@ -65,6 +65,12 @@ def _data_mul_every_parameter(model: torch.nn.Module) -> None:
         param.data.mul_(1.5)
 
 
+def _data_neg_every_linear(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if type(module) is torch.nn.Linear or linear_modes.is_conv1d(module):
+            module.weight.data.neg_()  # every 32-bit word gains 2**31: a per-row bit sum cannot see it
+
+
 def _data_one_element(model: torch.nn.Module) -> None:
     _first_linear(model).weight.data[0, 0] += 3.0
 
@@ -73,6 +79,7 @@ UPDATES = {
     "data.add_": _data_add,
     "p.data.mul_ (all)": _data_mul_every_parameter,
     "data[0, 0] +=": _data_one_element,
+    "data.neg_ (every linear)": _data_neg_every_linear,
     "optimizer step": _sgd_step,
     "load_state_dict": _load_state_dict,
     "new Parameter": _new_parameter,
@@ -110,9 +117,26 @@ def test_fingerprint_sees_a_single_bit_and_moved_rows():
     print_ = fingerprint(weight)
     flipped = weight.clone()
     flipped.view(torch.int32)[3, 7] ^= 1  # one ulp of one element
-    assert not torch.equal(print_, fingerprint(flipped))
-    assert not torch.equal(print_, fingerprint(weight.flip(0)))
-    assert torch.equal(print_, fingerprint(weight.clone()))
+    assert print_ != fingerprint(flipped)
+    assert print_ != fingerprint(weight.flip(0))
+    assert print_ != fingerprint(weight.flip(1))  # moved within rows
+    assert print_ == fingerprint(weight.clone())
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_fingerprint_sees_edits_that_change_every_element_alike(kernels, monkeypatch):
+    """A sign flip adds 2**31 to every word (an even count cancels in a sum of bits) and doubling adds 2**23
+    (512 of them cancel): the hash must see both, with and without fastgen's kernels."""
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "loaded", lambda: False)
+    elif not cpu_kernels.available():
+        pytest.skip(str(cpu_kernels.unavailable_reason()))
+    weight = torch.randn(8, 512)
+    print_ = fingerprint(weight)
+    for edited in (-weight, weight * 2, weight * 0.5, weight.t().contiguous().reshape(8, 512)):
+        assert print_ != fingerprint(edited)
+    assert print_ == fingerprint(weight.clone())
+    assert fingerprint(torch.zeros(4, 6)) != fingerprint(torch.zeros(6, 4))  # the shape counts
 
 
 def test_derived_weights_rebuild_only_when_the_weight_changes():
