@@ -8,10 +8,12 @@
 //
 // quantize_rows_u8(x (M, K) float32) -> (codes (M, K) uint8, row_max (M, 1) float32):
 //   row_max[m] = max(max_k |x[m, k]|, tiny); codes = clamp(round(x * (127 / row_max)) + 128, 1, 255)
-//   — the int8 reference's symmetric codes in [-127, 127], shifted by 128 into u8 (oneDNN's zero point).
+//   — the int8 reference's symmetric codes in [-127, 127], shifted by 128 into u8 (oneDNN's zero point);
+//   a row holding a NaN or an infinity gets row_max NaN and codes 128 (zero), so its outputs are NaN.
 // scale_rows_add_(y (M, N) float32, row_scale (M, 1), bias (N,) or none, activation):
 //   y = act(y * row_scale + bias), in place; activation 0 none, 1 GELU (erf form, |error| < 1e-7 * |y|),
-//   2 ReLU, 3 SiLU — the feed-forward activation fused into the pass that scales fc1's output.
+//   2 ReLU, 3 SiLU — the feed-forward activation fused into the pass that scales fc1's output. NaN stays
+//   NaN through each (as torch's activations keep it). A bias of any stride is read through a copy.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -36,7 +39,7 @@ enum Activation : int64_t { kNone = 0, kGelu = 1, kRelu = 2, kSilu = 3 };
 template <int64_t kAct>
 inline float activate(float v) {
   if constexpr (kAct == kGelu) return 0.5f * v * (1.0f + verf(v * 0.70710678118654752f));
-  if constexpr (kAct == kRelu) return v > 0.0f ? v : 0.0f;
+  if constexpr (kAct == kRelu) return v < 0.0f ? 0.0f : v;  // NaN passes, as torch.relu's
   if constexpr (kAct == kSilu) return v / (1.0f + vexp(-v));
   return v;
 }
@@ -67,12 +70,22 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor& x) {
     for (int64_t m = begin; m < end; ++m) {
       const float* row = src + m * K;
       float peak = 0.0f;
-#pragma omp simd reduction(max : peak)
-      for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::fabs(row[k]));
+      int32_t nonfinite = 0;  // max ignores a NaN: test each element against the largest finite float
+#pragma omp simd reduction(max : peak) reduction(| : nonfinite)
+      for (int64_t k = 0; k < K; ++k) {
+        const float a = std::fabs(row[k]);
+        peak = std::max(peak, a);
+        nonfinite |= !(a <= std::numeric_limits<float>::max());
+      }
+      uint8_t* out = dst + m * K;
+      if (nonfinite) {  // the reference's NaN row: zero codes, a NaN scale
+        maxes[m] = std::numeric_limits<float>::quiet_NaN();
+        std::fill(out, out + K, uint8_t{128});
+        continue;
+      }
       peak = std::max(peak, kTiny);
       maxes[m] = peak;
       const float inv = 127.0f / peak;
-      uint8_t* out = dst + m * K;
 #pragma omp simd
       for (int64_t k = 0; k < K; ++k) {
         const float code = std::nearbyint(row[k] * inv);
@@ -92,10 +105,12 @@ at::Tensor& scale_rows_add_(at::Tensor& y, const at::Tensor& row_scale, const st
   TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.numel() == M && row_scale.is_contiguous(),
               "scale_rows_add_: one float32 scale per row");
   const float* b = nullptr;
+  at::Tensor dense_bias;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->dim() == 1,
                 "scale_rows_add_: bias must hold one float32 per column");
-    b = bias->data_ptr<float>();
+    dense_bias = bias->contiguous();  // the tensor itself where it is already dense
+    b = dense_bias.data_ptr<float>();
   }
   float* data = y.data_ptr<float>();
   const float* scales = row_scale.data_ptr<float>();

@@ -9,7 +9,9 @@ Why: a decode step on CPU is bound by its GEMMs, and int8 products run 3-7x fast
 * **activations**, per call and per row: ``scale_x[m] = max|x[m, :]| / 127``, ``xq = round(x / scale_x)``;
 * ``y[m, n] = scale_x[m] * scale_w[n] * sum_k xq[m, k] * Wq[n, k] + b[n]`` (integer products, int32 sums).
 
-That formula is :func:`int8_linear_reference`. Two backends compute it with torch's own kernels:
+A row of ``x`` holding a NaN or an infinity has no finite scale: every output of that row is NaN (fp32 gives
+NaN or an infinity there; either way the row is lost), and the other rows are unaffected. That formula is
+:func:`int8_linear_reference`. Two backends compute it with torch's own kernels:
 
 * ``fbgemm`` (default where torch has it): ``torch.ops.quantized.linear_dynamic`` on a prepacked
   per-channel weight. Its activation quantization is per tensor, so each row is first divided by its
@@ -172,13 +174,26 @@ def _row_max(x2: torch.Tensor) -> torch.Tensor:
     return x2.abs().amax(dim=1, keepdim=True).clamp_min_(TINY)
 
 
+def _finite_rows(x2: torch.Tensor, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(x2, row_max, lost)``: unchanged where every row is finite (``lost`` None: the usual case, one check
+    of the M row maxima, which are NaN or infinite exactly for the rows holding a NaN or an infinity);
+    otherwise those rows zeroed with scale 1 and ``lost`` their ``(M, 1)`` mask, to be NaN in the output."""
+    if bool(torch.isfinite(row_max).all()):
+        return x2, row_max, None
+    lost = ~torch.isfinite(row_max)
+    return x2.masked_fill(lost, 0.0), row_max.masked_fill(lost, 1.0), lost
+
+
 def int8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The semantics (module docstring), in plain torch: integer products summed exactly in int64."""
     codes, scale_w = quantize_weight(weight)
     x2 = x.reshape(-1, x.shape[-1])
-    scale_x = _row_max(x2) / 127
+    x2, row_max, lost = _finite_rows(x2, _row_max(x2))
+    scale_x = row_max / 127
     xq = torch.round(x2 / scale_x).clamp_(-127, 127).to(torch.int64)
     y = (xq @ codes.to(torch.int64).t()).to(torch.float32) * (scale_x * scale_w)
+    if lost is not None:
+        y = y.masked_fill(lost, float("nan"))
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -194,6 +209,7 @@ class Int8Weight:
     def __init__(self, weight: torch.Tensor, kind: str) -> None:
         if weight.dim() != 2 or weight.shape[1] < MIN_IN_FEATURES:
             raise ValueError(f"int8 weights need (out, in >= {MIN_IN_FEATURES}), got {tuple(weight.shape)}")
+        weight = weight.contiguous()  # a transposed view's codes would keep its strides, which oneDNN misreads
         self.out_features = weight.shape[0]
         self.packed: Any = None
         self._lock = threading.Lock()
@@ -228,7 +244,8 @@ class Int8Weight:
 
     def matmul(self, x2: torch.Tensor, bias: torch.Tensor | None = None, activation: int = 0) -> torch.Tensor:
         """``act(x2 @ W.T + bias)`` in int8 for a contiguous ``(M, K)`` float32 input; ``activation``: 0 none,
-        1 GELU (erf), 2 ReLU, 3 SiLU (fused into the scaling pass where the CPU kernels run)."""
+        1 GELU (erf), 2 ReLU, 3 SiLU (fused into the scaling pass where the CPU kernels run). Rows holding a
+        NaN or an infinity come out NaN (module docstring); ``bias`` contiguous."""
         if self._codes is not None:
             with self._lock:
                 if self._codes is not None:
@@ -238,7 +255,14 @@ class Int8Weight:
             codes, row_max = torch.ops.fastgen_cpu.quantize_rows_u8(x2)
             y = self._onednn(codes)
             return torch.ops.fastgen_cpu.scale_rows_add_(y, row_max.div_(127), bias, activation)
-        row_max = _row_max(x2)
+        x2, row_max, lost = _finite_rows(x2, _row_max(x2))  # fbgemm's own range check refuses a NaN
+        y = self._torch_ops(x2, row_max, bias, activation, fused)
+        return y if lost is None else y.masked_fill_(lost, float("nan"))
+
+    def _torch_ops(
+        self, x2: torch.Tensor, row_max: torch.Tensor, bias: torch.Tensor | None, activation: int, fused: bool
+    ) -> torch.Tensor:
+        """:meth:`matmul` for finite rows around fbgemm's product, oneDNN's without the CPU kernels, or int_mm."""
         if self.kind == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2 / row_max, self.packed, self.reduce_range)
             if fused:
@@ -279,5 +303,7 @@ def int8_linear(x: torch.Tensor, prepared: Int8Weight, bias: torch.Tensor | None
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
+    if bias is not None and not bias.is_contiguous():  # a strided parameter (a view of a larger tensor)
+        bias = bias.contiguous()
     y = prepared.matmul(x2, bias, activation)
     return y.reshape(*x.shape[:-1], prepared.out_features)
