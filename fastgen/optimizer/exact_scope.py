@@ -20,7 +20,11 @@ import torch
 from fastgen.ops import linear
 from fastgen.ops.linear import exact_linear
 
-_lock = threading.Lock()
+#: Guards every instance ``forward`` fastgen installs on a user's module, the exact ones here and the linear
+#: modes' (:mod:`fastgen.optimizer.linear_modes`): calls of different modes may run on one model at once
+#: in different threads, and each install/removal must see the others'.
+FORWARDS_LOCK = threading.RLock()
+_lock = FORWARDS_LOCK
 _installed: dict[int, int] = {}  # id(linear) -> number of calls using the installed forward
 
 
@@ -30,8 +34,18 @@ def _exact_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
 
 
 def installed(module: torch.nn.Module) -> bool:
-    """Whether ``module`` runs the exact forward right now."""
+    """Whether a call uses ``module``'s exact forward right now (a linear mode's forward may sit on top of it
+    meanwhile, for its thread's call: :func:`exact_forward` is put back when that call ends)."""
     return id(module) in _installed
+
+
+def exact_forward(module: torch.nn.Module) -> types.MethodType:
+    """The exact instance forward of ``module`` (to install, under :data:`FORWARDS_LOCK`)."""
+    return types.MethodType(_exact_forward, module)
+
+
+def _ours(module: torch.nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _exact_forward
 
 
 def plain_linears(model: torch.nn.Module, skip: Iterable[torch.nn.Module] = ()) -> list[torch.nn.Linear]:
@@ -60,18 +74,23 @@ def plain_linears(model: torch.nn.Module, skip: Iterable[torch.nn.Module] = ()) 
 @contextmanager
 def exact_forwards(modules: list[torch.nn.Linear]) -> Iterator[None]:
     """Inside the block, ``modules`` run :func:`exact_linear`."""
+    taken: list[torch.nn.Linear] = []
     with _lock:
         for module in modules:
             count = _installed.get(id(module), 0)
             if count == 0:
-                module.forward = types.MethodType(_exact_forward, module)
+                if "forward" in module.__dict__:
+                    continue  # another thread's linear mode took it since it was chosen: its forward serves
+                module.forward = exact_forward(module)
             _installed[id(module)] = count + 1
+            taken.append(module)
     try:
         yield
     finally:
         with _lock:
-            for module in modules:
+            for module in taken:
                 _installed[id(module)] -= 1
                 if _installed[id(module)] == 0:
                     del _installed[id(module)]
-                    del module.forward
+                    if _ours(module):  # else a linear mode's forward sits on top: it removes itself
+                        del module.forward
