@@ -3,10 +3,11 @@
 // Why: the fast modes keep copies derived from a weight (packed fp32, int8) and must notice any change of
 // it, including writes through ``weight.data`` that no version counter records. A sum of the bits was
 // fooled by edits that change every element alike (a sign flip adds 2**31 to each 32-bit word: an even
-// count of them cancels; doubling adds 2**23 per word: 512 of them cancel). Here every 32-bit word goes
-// through murmur3's mixing (multiply, rotate, multiply) into one of 32 lanes, so a change of any bit of any
-// word moves the result but with probability ~2**-64 per lane pair, whatever the pattern of the edit.
-// One pass at memory speed (the lanes vectorize: AVX-512 or AVX2).
+// count of them cancels; doubling adds 2**23 per word: 512 of them cancel). Here word i enters lane
+// i % 32 of two independent states, each step h = rotl(h ^ w, r) * odd (xor, rotate and multiply: not
+// linear over the integers nor over bits), so a change of any bit of any word, in any pattern, leaves the
+// two 32-bit states of its lane as they were with probability ~2**-64. The lanes vectorize (AVX-512 or
+// AVX2); the 64 states are folded with murmur3's 64-bit finalizer.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -17,19 +18,10 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-constexpr uint32_t kC1 = 0xcc9e2d51u, kC2 = 0x1b873593u;
+constexpr int kLanes = 32;
+constexpr uint32_t kC1 = 0xcc9e2d51u, kC2 = 0x9e3779b1u;
 
 inline uint32_t rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
-
-inline uint32_t mix(uint32_t h, uint32_t k) {
-  k *= kC1;
-  k = rotl(k, 15);
-  k *= kC2;
-  h ^= k;
-  h = rotl(h, 13);
-  return h * 5u + 0xe6546b64u;
-}
 
 inline uint64_t fmix64(uint64_t k) {
   k ^= k >> 33;
@@ -56,8 +48,8 @@ at::Tensor content_hash(const at::Tensor& t) {
     std::memcpy(w, data + i * 4, sizeof(w));
 #pragma omp simd
     for (int l = 0; l < kLanes; ++l) {
-      a[l] = mix(a[l], w[l]);
-      b[l] = mix(b[l], w[l] ^ 0x5bd1e995u);
+      a[l] = rotl(a[l] ^ w[l], 13) * kC1;
+      b[l] = rotl(b[l] ^ w[l], 19) * kC2;
     }
   }
   uint64_t tail = 0x51ed270b27u;
