@@ -136,7 +136,10 @@ def settings_for(model: Any, kwargs: dict[str, Any], served: bool) -> Settings |
         raise RequestError("do_sample with num_beams > 1 (beam sampling) is not served", param="num_beams")
     if not served:
         return None
-    settings, reason = resolve(model, kwargs)
+    try:
+        settings, reason = resolve(model, kwargs)
+    except ValueError as exc:  # generate's own validation of the settings
+        raise RequestError(str(exc).strip("`")) from exc
     if settings is None:
         raise RequestError(f"not served: {reason}")
     return settings
