@@ -1,7 +1,8 @@
 """Every CPU mode on the trained model: token agreement with upstream fp32, BLEU/chrF, time.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.trained_agreement [--model-dir ~/.cache/fastgen/trained-bart]
-        [--modes beam4,greedy] [--threads 1] [--rounds 3] [--batch-size 16] [--out FILE.json]
+    OMP_NUM_THREADS=1 python -m benchmarks.trained_agreement [--model-dir ~/.cache/fastgen/trained-bart-restore]
+        [--modes beam4,greedy] [--threads 1] [--rounds 3] [--batch-size 16] [--candidates a,b,...]
+        [--sensitivity N] [--out FILE.json]
 
 The model, its test set and its CTranslate2 conversion are those ``benchmarks.train_small_model``
 wrote; its held-out cross-entropy and predictive entropy (masked and copied tokens apart) are recorded
@@ -11,22 +12,32 @@ the reference), fastgen's default (exact) features, fastgen + ``fast_gemm``, fas
 fastgen knows that feature, and CTranslate2 float32 and int8_float32 on the converted model.
 
 Per candidate: the share of sentences whose generated ids equal upstream's, the share of positions that
-agree (over the longer of the two), how many of the differing sentences first differ where the source
-has ``<mask>``, BLEU and chrF (sacrebleu) against the references, and the median wall and process CPU
-time of decoding the whole test set (``benchmarks.measure.alternate``: a warm-up pass, then rounds in
-rotating order; the load average is recorded). The int8 candidates are also compared with their own
-fp32 engine, which separates quantization from the differences between two beam searches (CTranslate2's
-early exit and length normalization are its own; its ``min_decoding_length`` is set to 0, Transformers'
-default, where its own default 1 forbids an immediate ``</s>``).
+agree (over the longer of the two), BLEU and chrF (sacrebleu) against the references (the copy baseline's
+beside them), and the median wall and process CPU time of decoding the whole test set
+(``benchmarks.measure.alternate``: a warm-up pass, then rounds in rotating order; the load average is
+recorded). The int8 candidates are also compared with their own fp32 engine, which separates
+quantization from the differences between two beam searches (CTranslate2's early exit and length
+normalization are its own; its ``min_decoding_length`` is set to 0, Transformers' default, where its own
+default 1 forbids an immediate ``</s>``).
+
+fastgen's int8 and CTranslate2's int8 are compared sentence by sentence (equal to upstream or not) with
+McNemar's exact test: of the sentences where exactly one of the two equals upstream, how likely a split at
+least this uneven is if both were equally good (two-sided binomial, p = 0.5).
+
+``--sensitivity N``: on N evenly spaced test sentences, int8 with one group of linears kept in fp32 at a
+time (each layer; each kind of linear across the layers; the LM head), beam 4: the rows that then equal
+upstream say which products lose agreement.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,20 +75,57 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, f
     return {"sequence_match": same_rows / len(reference), "token_agreement": same / total if total else 1.0}
 
 
-def divergences_on_masks(reference: list[list[int]], other: list[list[int]], test: list[dict[str, Any]]) -> str:
-    """Of the sentences that differ, how many first differ where the source has <mask> at that position:
-    the source keeps the target's positions, so this says whether a flip came where the model guesses."""
-    on_mask = differ = 0
-    for a, b, row in zip(reference, other, test, strict=True):
-        if a != b:
-            differ += 1
-            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-            source = row["source_ids"][1:]
-            on_mask += first < len(source) and source[first] == trained.MASK_ID
-    return f"{on_mask}/{differ}"
+def mcnemar_exact(first: list[bool], second: list[bool]) -> dict[str, float]:
+    """McNemar's exact test on paired outcomes: ``b`` only the first true, ``c`` only the second; the
+    two-sided p of a split at least as uneven under Binomial(b + c, 1/2)."""
+    b = sum(x and not y for x, y in zip(first, second, strict=True))
+    c = sum(y and not x for x, y in zip(first, second, strict=True))
+    n = b + c
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n if n else 1.0
+    return {"only_first": b, "only_second": c, "p_value": min(1.0, 2 * tail)}
+
+
+def linear_groups(model: Any) -> dict[str, list[str]]:
+    """Names of the model's linears by layer and by kind (what --sensitivity keeps in fp32, one group at a time)."""
+    names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        if "layers" in parts:
+            at = parts.index("layers")
+            groups.setdefault(".".join(parts[at - 1 : at + 2]), []).append(name)  # encoder.layers.0
+            side = parts[at - 1]
+            kind = ".".join(parts[at + 2 :])  # self_attn.q_proj, fc2, ...
+            if kind.endswith(("q_proj", "k_proj", "v_proj")):
+                kind = kind.rsplit(".", 1)[0] + ".qkv"
+            groups.setdefault(f"{side} {kind}", []).append(name)
+        else:
+            groups.setdefault(name, []).append(name)  # lm_head
+    return groups
+
+
+def kept_fp32(model: Any, names: list[str]) -> Any:
+    """Context: the named linears run upstream's forward inside an int8 scope (an instance ``forward`` makes
+    the mode leave a module alone)."""
+    from contextlib import contextmanager
+
+    modules = dict(model.named_modules())
+
+    @contextmanager
+    def scope() -> Any:
+        for name in names:
+            modules[name].forward = types.MethodType(type(modules[name]).forward, modules[name])
+        try:
+            yield
+        finally:
+            for name in names:
+                del modules[name].forward
+
+    return scope()
 
 
 def _summary(name: str, r: dict[str, Any]) -> str:
+    """One line per candidate for the log."""
     same = r["vs_upstream"]
     return (
         f"{name} {r['median_wall_seconds']:.2f}s BLEU {r['bleu']:.1f} chrF {r['chrf']:.1f} rows "
@@ -96,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--candidates", default="", help="comma-separated subset of the candidates (default: all)")
+    parser.add_argument("--sensitivity", type=int, default=0, help="sentences for the per-group fp32 runs (0: none)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -158,6 +208,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         candidates = {name: hf(features) for name, features in hf_features().items()}
         candidates |= {name: ct2(translator) for name, translator in translators.items()}
+        if args.candidates:
+            wanted = {"upstream", *args.candidates.split(",")}
+            candidates = {name: run for name, run in candidates.items() if name in wanted}
         first: dict[str, list[list[int]]] = {}
         stable = dict.fromkeys(candidates, True)
 
@@ -178,7 +231,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             hypotheses = [trained.decode(tokenizer, row) for row in ids]
             row: dict[str, Any] = {
                 "vs_upstream": agreement(outputs["upstream"], ids),
-                "first_divergence_on_a_mask": divergences_on_masks(outputs["upstream"], ids, test),
                 **trained.quality(hypotheses, references),
                 "median_wall_seconds": statistics.median(wall),
                 "median_cpu_seconds": statistics.median(cpu),
@@ -189,10 +241,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if name in FP32_OF and FP32_OF[name] in outputs:
                 row[f"vs_{FP32_OF[name]}"] = agreement(outputs[FP32_OF[name]], ids)
             entry["candidates"][name] = row
+        equal = {name: [a == b for a, b in zip(outputs["upstream"], ids, strict=True)] for name, ids in outputs.items()}
+        if {"fastgen_int8", "ctranslate2_int8_float32"} <= equal.keys():
+            entry["paired_test_rows_equal_to_upstream"] = {
+                "first": "fastgen_int8",
+                "second": "ctranslate2_int8_float32",
+                **mcnemar_exact(equal["fastgen_int8"], equal["ctranslate2_int8_float32"]),
+            }
+        entry["copy_baseline"] = trained.quality([row["copy"] for row in test], references)
         results[mode] = entry
         sys.stdout.write(f"{mode}: " + "; ".join(_summary(n, r) for n, r in entry["candidates"].items()))
         sys.stdout.write(f"; load {rounds.load_average}\n")
         sys.stdout.flush()
+
+    if args.sensitivity and "int8" in fastgen.known_features():
+        results["sensitivity"] = sensitivity(model, test, args.sensitivity, args.batch_size)
 
     training = json.loads((args.model_dir / "training.json").read_text())
     with fastgen.unpatched():
@@ -222,6 +285,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     write_result(out, report)
     return report
+
+
+def sensitivity(model: Any, test: list[dict[str, Any]], sentences: int, batch_size: int) -> dict[str, Any]:
+    """Beam-4 rows equal to upstream on ``sentences`` evenly spaced test sentences: int8 everywhere, and
+    int8 with each group of :func:`linear_groups` kept in fp32."""
+    step = max(1, len(test) // sentences)
+    subset = test[::step][:sentences]
+    batches = [
+        trained.source_batch([row["source_ids"] for row in subset[b : b + batch_size]])
+        for b in range(0, len(subset), batch_size)
+    ]
+
+    def decode(features: list[str] | None) -> list[list[int]]:
+        out = []
+        with fastgen.unpatched() if features is None else fastgen.patched(features), torch.inference_mode():
+            for batch in batches:
+                ids = model.generate(**batch, num_beams=4, **trained.GENERATE)
+                out += [_cut(row[1:]) for row in ids.tolist()]
+        return out
+
+    upstream = decode(None)
+    int8 = [*DEFAULT, "int8"]
+    rows = {"none (all int8)": agreement(upstream, decode(int8))["sequence_match"]}
+    for group, names in linear_groups(model).items():
+        with kept_fp32(model, names):
+            rows[group] = agreement(upstream, decode(int8))["sequence_match"]
+        sys.stdout.write(f"sensitivity: {group} in fp32: rows {100 * rows[group]:.1f}%\n")
+        sys.stdout.flush()
+    return {"sentences": len(subset), "num_beams": 4, "rows_equal_to_upstream_with_group_in_fp32": rows}
 
 
 if __name__ == "__main__":
