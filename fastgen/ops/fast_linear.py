@@ -10,11 +10,13 @@ why the exact ``gemm`` feature never uses it.
 
 Which is faster depends on the CPU *and the shape* (on an AVX2-only EPYC oneDNN lost to MKL for
 16 x 3072 -> 768 and for the encoder's 1024-row products, while winning for the vocabulary projection),
-so nothing is assumed: each key (weight shape, row count, threads) runs packed for its first
-:data:`CALIBRATE_AFTER` - 1 calls, then is timed once against the exact mode's form of the product
-(:func:`fastgen.ops.linear.exact_linear`: ``F.linear``'s bits, in its fastest calibrated form) on the real
-input (alternating rounds) and keeps the faster (:func:`choices` shows the evidence). The mode is thus
-never slower than the exact mode by more than the timing noise, on any CPU.
+so nothing is assumed: at its first call each key (weight shape, row count, threads) is timed against the
+exact mode's form of the product (:func:`fastgen.ops.linear.exact_linear`: ``F.linear``'s bits, in its
+fastest calibrated form) on the real input (alternating rounds) and keeps the faster (:func:`choices`
+shows the evidence). The mode is thus never slower than the exact mode by more than the timing noise, on
+any CPU. The choice is made before the key's first result is returned, so two identical calls give
+identical outputs (a choice made after some calls had run packed changed the logits of later calls by
+~1e-5).
 
 Memory: the packed weight is a second copy of every weight it serves, kept per module for the process
 while the module lives and re-packed when the weight changes in any way, ``.data`` writes included
@@ -36,9 +38,9 @@ import torch
 from fastgen.ops.linear import exact_linear
 from fastgen.ops.weight_cache import DerivedWeights
 
-#: Calls of a key that run packed before the key is timed against the exact form (the timing costs
-#: about this many calls; a row count seen only a few times never pays for it).
-CALIBRATE_AFTER = 8
+#: The call of a key that times it against the exact form (1: the first, so every result of the key comes
+#: from one form; a later call would switch forms, and rounding, between identical calls).
+CALIBRATE_AFTER = 1
 #: Timing rounds (each runs the exact and the packed form once, alternating).
 ROUNDS = 3
 #: Keys larger than this many multiply-adds are not timed (packed is kept): a long prefill.
@@ -118,14 +120,13 @@ def _time_into(run: Callable[[], torch.Tensor], times: list[float]) -> None:
 
 
 def _calibrate(key: Key, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Time packed against upstream's op on ``x``; remember the medians; return the packed result."""
-    result = _run_packed(module, x)
+    """Time packed against upstream's op on ``x``; remember the medians; return the kept form's result."""
     times: dict[str, list[float]] = {"packed": [], "linear": []}
     for _ in range(ROUNDS):
         _time_into(lambda: _run_packed(module, x), times["packed"])
         _time_into(lambda: _exact(module, x), times["linear"])
-    _choices[key] = {form: sorted(values)[len(values) // 2] for form, values in times.items()}
-    return result
+    choice = _choices[key] = {form: sorted(values)[len(values) // 2] for form, values in times.items()}
+    return _run_packed(module, x) if choice["packed"] <= choice["linear"] else _exact(module, x)
 
 
 def packed_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -147,3 +147,28 @@ def test_each_shape_keeps_the_faster_form(monkeypatch, packed_ms, linear_ms, kep
     else:
         assert torch.equal(result, fast_linear._run_packed(module, x))
     fast_linear.forget_packed()
+
+
+@pytest.mark.parametrize(("packed_ms", "linear_ms"), [(1.0, 2.0), (2.0, 1.0)])
+def test_every_result_of_a_shape_comes_from_one_form(monkeypatch, packed_ms, linear_ms):
+    """The choice is made before a shape's first result: identical calls give identical outputs."""
+    fast_linear.forget_packed()
+    _force_timings(monkeypatch, packed_ms, linear_ms)
+    module = torch.nn.Linear(48, 130)
+    x = torch.randn(6, 48)
+    with torch.no_grad():
+        results = [fast_linear.packed_linear(module, x) for _ in range(12)]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    fast_linear.forget_packed()
+
+
+@HF_FAST_GEMM
+def test_repeated_generate_calls_are_identical():
+    fast_linear.forget_packed()
+    model = harness.tiny_hf_model("bart")
+    inputs = harness.tiny_inputs(model, batch=2)
+    kwargs = dict(num_beams=2, max_new_tokens=6, return_dict_in_generate=True, output_logits=True)
+    with fastgen.patched([*DEFAULT_FEATURES, "fast_gemm"]):
+        runs = [torch.stack(model.generate(**inputs, **kwargs).logits) for _ in range(4)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    fast_linear.forget_packed()
