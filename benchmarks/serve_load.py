@@ -1,0 +1,380 @@
+"""Load test: fastgen-serve against a micro-batching server, Poisson arrivals from an async httpx driver.
+
+Both servers run in their own process on 127.0.0.1 with 1 torch thread, serving the same random-weight
+model (built from a config and a seed: no download). The baseline is the usual hand-written server: it
+collects the requests that arrive within a short wait window (up to ``--max-batch`` inputs), runs upstream
+``generate`` (under ``fastgen.unpatched()``) on the padded batch, answers, and only then collects the next
+batch. fastgen-serve batches continuously (``fastgen.serve``). Every request asks for the same work
+(``min_new_tokens == max_new_tokens``, so no request ends early on an EOS of the random model).
+
+For each model and each arrival rate, the driver sends ``rate x --seconds`` requests (at least 20, at most
+``--max-requests``) at exponential gaps (seeded: both servers get the same inputs at the same offsets),
+alternating the two servers rate by rate, and records throughput and latency percentiles. A server's
+sustainable rate is the highest rate at which its p95 latency stays <= 2 s with no failure.
+
+    python -m benchmarks.serve_load --out benchmarks/results/serve_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import resource
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: the models (random weights): a small BART (beam 4) and a small gpt2 (greedy)
+MODELS: dict[str, dict[str, Any]] = {
+    "bart-d256": dict(
+        config=dict(
+            vocab_size=16384,
+            d_model=256,
+            encoder_layers=3,
+            decoder_layers=3,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=1024,
+            decoder_ffn_dim=1024,
+            max_position_embeddings=512,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+            forced_eos_token_id=2,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        ),
+        params={"num_beams": 4, "max_new_tokens": 24, "min_new_tokens": 24},
+    ),
+    "gpt2-d256": dict(
+        config=dict(
+            vocab_size=16384,
+            n_embd=256,
+            n_layer=4,
+            n_head=4,
+            n_positions=512,
+            bos_token_id=0,
+            eos_token_id=2,
+            pad_token_id=1,
+        ),
+        params={"max_new_tokens": 32, "min_new_tokens": 32},
+    ),
+}
+P95_TARGET_S = 2.0
+
+
+def build(name: str) -> Any:
+    import torch
+    import transformers
+
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    if name.startswith("bart"):
+        model = transformers.BartForConditionalGeneration(transformers.BartConfig(**spec["config"]))
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**spec["config"]))
+    model.generation_config.pad_token_id = 1
+    return model.eval()
+
+
+# -- the baseline server --------------------------------------------------------------------------------
+def baseline_app(model: Any, max_batch: int, wait_s: float) -> Any:
+    """Static micro-batching: the requests of one wait window, one upstream ``generate`` on their padded batch."""
+    import torch
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    import fastgen
+
+    pending: asyncio.Queue = asyncio.Queue()
+    pad = model.generation_config.pad_token_id
+    left = not model.config.is_encoder_decoder  # decoder-only models are padded on the left for generate
+
+    def run(batch: list[tuple[list[int], dict]]) -> list[list[int]]:
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (tokens, _) in enumerate(batch):
+            span = slice(width - len(tokens), width) if left else slice(0, len(tokens))
+            ids[row, span], mask[row, span] = torch.tensor(tokens), 1
+        with fastgen.unpatched(), torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, **batch[0][1])
+        rows = out.tolist()
+        return [row[width:] if left else row for row in rows]
+
+    async def batcher() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            first = await pending.get()
+            batch, deadline = [first], loop.time() + wait_s
+            while len(batch) < max_batch:
+                try:
+                    batch.append(await asyncio.wait_for(pending.get(), max(0.0, deadline - loop.time())))
+                except TimeoutError:
+                    break
+            groups: dict[str, list] = {}
+            for item in batch:  # one generate per distinct settings
+                groups.setdefault(json.dumps(item[1], sort_keys=True), []).append(item)
+            for items in groups.values():
+                try:
+                    rows = await loop.run_in_executor(None, run, [(ids, params) for ids, params, _ in items])
+                    for (_, _, future), row in zip(items, rows, strict=True):
+                        future.set_result(row)
+                except Exception as exc:
+                    for _, _, future in items:
+                        future.set_exception(exc)
+
+    async def generate(request: Request) -> JSONResponse:
+        body = await request.json()
+        future = asyncio.get_running_loop().create_future()
+        await pending.put((body["input_ids"], body.get("parameters", {}), future))
+        row = await future
+        return JSONResponse({"results": [{"sequences": [{"token_ids": row}]}]})
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(batcher())
+        yield
+        task.cancel()
+
+    routes = [Route("/v1/generate", generate, methods=["POST"]), Route("/health", health)]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def serve(kind: str, name: str, port: int, max_batch: int, wait_s: float) -> None:
+    """Server process: ``kind`` fastgen or baseline."""
+    import torch
+    import uvicorn
+
+    torch.set_num_threads(1)
+    model = build(name)
+    if kind == "fastgen":
+        from fastgen.serve import create_app
+
+        rows = max_batch * MODELS[name]["params"].get("num_beams", 1)
+        app = create_app(model, name=name, batch_rows=rows, max_queue=4096, max_new_tokens=512)
+    else:
+        app = baseline_app(model, max_batch, wait_s)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+# -- the driver -----------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, kind: str, name: str, args: argparse.Namespace) -> None:
+        self.kind, self.port = kind, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.serve_load",
+            "--serve",
+            kind,
+            "--model",
+            name,
+            "--port",
+            str(self.port),
+            "--max-batch",
+            str(args.max_batch),
+            "--wait-ms",
+            str(args.wait_ms),
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self.process = subprocess.Popen(command, env=env)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"{self.kind} server exited"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.kind} server did not start")
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.process.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def threads(self) -> int:
+        return len(os.listdir(f"/proc/{self.process.pid}/task"))
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def workload(name: str, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = MODELS[name]["config"]["vocab_size"]
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(8, 49))] for _ in range(count)]
+
+
+async def drive(url: str, inputs: list[list[int]], params: dict, rate: float, seed: int) -> dict[str, Any]:
+    """Poisson arrivals at ``rate`` per second; latency of each request (send to answer)."""
+    import httpx
+
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in inputs:
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    latencies: list[float | None] = [None] * len(inputs)
+    outputs: list[Any] = [None] * len(inputs)
+    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(index: int) -> None:
+            await asyncio.sleep(max(0.0, start + offsets[index] - time.perf_counter()))
+            sent = time.perf_counter()
+            try:
+                response = await client.post("/v1/generate", json={"input_ids": inputs[index], "parameters": params})
+                if response.status_code == 200:
+                    latencies[index] = time.perf_counter() - sent
+                    outputs[index] = response.json()["results"][0]["sequences"][0]["token_ids"]
+            except httpx.HTTPError:
+                pass
+
+        await asyncio.gather(*[one(i) for i in range(len(inputs))])
+        elapsed = time.perf_counter() - start
+    done = sorted(v for v in latencies if v is not None)
+
+    def pct(q: float) -> float | None:
+        return None if not done else round(done[min(len(done) - 1, int(q * len(done)))], 4)
+
+    return {
+        "rate": rate,
+        "requests": len(inputs),
+        "failed": len(inputs) - len(done),
+        "throughput_rps": round(len(done) / elapsed, 3),
+        "p50_s": pct(0.50),
+        "p95_s": pct(0.95),
+        "p99_s": pct(0.99),
+        "outputs": outputs,
+    }
+
+
+def sustainable(rows: list[dict]) -> float | None:
+    ok = [row["rate"] for row in rows if not row["failed"] and (row["p95_s"] or 1e9) <= P95_TARGET_S]
+    return max(ok) if ok else None
+
+
+def load_average() -> list[float]:
+    with open("/proc/loadavg") as f:
+        return [float(v) for v in f.read().split()[:3]]
+
+
+def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    params = MODELS[name]["params"]
+    rates = [float(r) for r in (args.bart_rates if name.startswith("bart") else args.gpt2_rates).split(",")]
+    servers = {kind: Server(kind, name, args) for kind in ("baseline", "fastgen")}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        warm = workload(name, 8, seed=99)
+        for server in servers.values():  # warm-up: a few requests each
+            asyncio.run(drive(server.url, warm, params, rate=50.0, seed=1))
+        rows: dict[str, list[dict]] = {kind: [] for kind in servers}
+        memory: dict[str, list] = {kind: [] for kind in servers}
+        saturated = set()
+        for number, rate in enumerate(rates):
+            count = max(20, min(args.max_requests, int(rate * args.seconds)))
+            inputs = workload(name, count, seed=number)
+            outputs = {}
+            for kind, server in servers.items():
+                if kind in saturated:
+                    continue
+                before = load_average()
+                row = asyncio.run(drive(server.url, inputs, params, rate, seed=number))
+                outputs[kind] = row.pop("outputs")
+                row["load_average"] = {"before": before, "after": load_average()}
+                rows[kind].append(row)
+                memory[kind].append({"rate": rate, "rss_mb": round(server.rss_mb(), 1), "threads": server.threads()})
+                print(f"{name} {kind:8s} rate {rate:6.2f}/s: {json.dumps(row)}", flush=True)
+                if row["p95_s"] is None or row["p95_s"] > 4 * P95_TARGET_S:
+                    saturated.add(kind)  # far past its limit: higher rates only queue more
+            if len(outputs) == 2:
+                same = sum(a == b for a, b in zip(outputs["baseline"], outputs["fastgen"], strict=True) if a and b)
+                both = sum(1 for a, b in zip(outputs["baseline"], outputs["fastgen"], strict=True) if a and b)
+                rows["fastgen"][-1]["same_tokens_as_baseline"] = f"{same}/{both}"
+    finally:
+        for server in servers.values():
+            server.stop()
+    base, fast = sustainable(rows["baseline"]), sustainable(rows["fastgen"])
+    return {
+        "params": params,
+        "config": MODELS[name]["config"],
+        "rates": rates,
+        "baseline": rows["baseline"],
+        "fastgen": rows["fastgen"],
+        "memory": memory,
+        "sustainable_rate": {"baseline": base, "fastgen": fast, "ratio": None if not base or not fast else fast / base},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--serve", choices=["fastgen", "baseline"], help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="bart-d256", choices=sorted(MODELS), help=argparse.SUPPRESS)
+    parser.add_argument("--models", default="bart-d256,gpt2-d256")
+    parser.add_argument("--bart-rates", default="1,2,4,6,8,12")
+    parser.add_argument("--gpt2-rates", default="2,4,8,12,16,24")
+    parser.add_argument("--seconds", type=float, default=20.0, help="arrival window per rate")
+    parser.add_argument("--max-requests", type=int, default=240)
+    parser.add_argument("--max-batch", type=int, default=16, help="inputs per batch (both servers)")
+    parser.add_argument("--wait-ms", type=float, default=10.0, help="the baseline's batching window")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve(args.serve, args.model, args.port, args.max_batch, args.wait_ms / 1000)
+        return
+    from benchmarks.measure import environment, result_header
+
+    result = result_header("serve_load", argv)
+    result["environment"] = environment("cpu")
+    result["threads"] = 1
+    result["load_average_start"] = load_average()
+    result["settings"] = {
+        "max_batch": args.max_batch,
+        "wait_ms": args.wait_ms,
+        "seconds": args.seconds,
+        "p95_target_s": P95_TARGET_S,
+    }
+    result["models"] = {name: run_model(name, args) for name in args.models.split(",")}
+    result["load_average_end"] = load_average()
+    result["driver_max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for name, data in result["models"].items():
+        print(name, json.dumps(data["sustainable_rate"]))
+
+
+if __name__ == "__main__":
+    main()
