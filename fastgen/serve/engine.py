@@ -133,6 +133,7 @@ class _Group:
         for item in self.loop:
             if item is None:
                 return
+            self.online.cancelled.discard(item.index)  # it finished before its cancellation reached the loop
             job = self.jobs.pop(item.index, None)
             if job is not None:
                 self.engine._deliver(job, item)
