@@ -215,6 +215,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._recent: collections.deque[float] = collections.deque(maxlen=64)  # finish times, for Retry-After
         self._rows = 0
+        self._threads = torch.get_num_threads()  # the caller's setting (--threads): a new thread may not inherit it
 
     # -- any thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -272,6 +273,7 @@ class Engine:
     # -- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        torch.set_num_threads(self._threads)
         while True:
             self._intake()
             busy = [group for group in self._groups.values() if group.has_work()]
