@@ -1,13 +1,22 @@
 """``int8_linear``: a CPU linear layer in int8 — weights per output channel, activations per row.
 
 Why: a decode step on CPU is bound by its GEMMs, and int8 products run 3-7x faster than MKL's fp32
-``sgemm`` on the CPUs measured (AVX-512 VNNI; see ``benchmarks/``). This is the scheme CTranslate2's
-``int8`` compute types use, so quality is comparable:
+``sgemm`` on the CPUs measured (AVX-512 VNNI; see ``benchmarks/``). The scheme is CTranslate2's ``int8``
+one with a finer activation grid:
 
 * **weights**, once per module (cached, rebuilt when the weight changes: :mod:`fastgen.ops.weight_cache`):
   ``scale_w[n] = max|W[n, :]| / 127``, ``Wq = round(W / scale_w)`` in ``[-127, 127]``;
-* **activations**, per call and per row: ``scale_x[m] = max|x[m, :]| / 127``, ``xq = round(x / scale_x)``;
+* **activations**, per call and per row, on the row's own asymmetric grid (:func:`row_grid`):
+  ``lo = min(min x[m, :], 0)``, ``hi = max(max x[m, :], 0)``, ``scale_x[m] = (hi - lo) / 255``,
+  ``zero[m] = round(-lo / scale_x[m])``, ``xq = clamp(round(x / scale_x) + zero, 0, 255) - zero``;
 * ``y[m, n] = scale_x[m] * scale_w[n] * sum_k xq[m, k] * Wq[n, k] + b[n]`` (integer products, int32 sums).
+
+Why asymmetric: CTranslate2's symmetric grid (``scale_x = max|x| / 127``, :data:`GRID` ``symmetric``, kept
+for comparison) spends half its codes on values a one-signed row never takes. The inputs of a feed-forward
+block's second product (after GELU or ReLU) are such rows; there the asymmetric grid's step is half as
+large, elsewhere never larger (agreement with fp32 on a trained model: ``docs/benchmarks/trained.md``).
+It costs one multiply-add per output: the product runs with zero point 0
+and the scaling pass subtracts ``zero[m] * scale_w[n] * sum_k Wq[n, k]``.
 
 A row of ``x`` holding a NaN or an infinity has no finite scale: every output of that row is NaN (fp32 gives
 NaN or an infinity there; either way the row is lost), and the other rows are unaffected. That formula is
@@ -16,18 +25,19 @@ NaN or an infinity there; either way the row is lost), and the other rows are un
 * ``fbgemm`` (default where torch has it): ``torch.ops.quantized.linear_dynamic`` on a prepacked
   per-channel weight. Its activation quantization is per tensor, so each row is first divided by its
   own ``max|x[m, :]|`` (every row then spans ``[-1, 1]``) and the output rows multiplied back: per-row
-  scales through a per-tensor kernel. fbgemm's 8-bit grid over ``[-1, 1]`` is asymmetric (zero point
-  near 128), so results differ from the reference by at most about one activation step per element.
+  scales through a per-tensor kernel. fbgemm's 8-bit grid over ``[-1, 1]`` spans every row's range at
+  once (zero point near 128), so it is about as fine as the symmetric grid, not the per-row asymmetric
+  one: results differ from the reference by about one symmetric-grid step per element.
   On CPUs without VNNI fbgemm's ``u8 x s8`` pair sums can saturate int16, so activations use 7 bits there
   (``reduce_range``), as torch's own dynamic quantization does.
-* ``onednn`` (where torch has ``onednn::qlinear_pointwise`` and the CPU has VNNI): each row divided by
-  its ``max|x[m, :]|`` and quantized in one vectorised pass (``quantize_per_tensor``, step 1/127, zero
-  point 128: the reference's symmetric codes shifted into ``u8``; ``quantize_per_channel`` along the
-  rows measured 4-6x slower), oneDNN's ``u8 x s8`` product with int32 sums, the weight scales applied by
-  oneDNN and the row scales after: the reference's codes and integer sums, so it differs from it by float
-  rounding only (and a code where ``x / max * 127`` and ``x / (max / 127)`` round apart).
-* ``int_mm``: ``torch._int_mm`` (int8 x int8 -> int32) with the scaling in torch ops: the reference's
-  arithmetic exactly, slower (measured), kept for torch builds without the quantized engine.
+* ``onednn`` (where torch has ``onednn::qlinear_pointwise`` and the CPU has VNNI): the reference's ``u8``
+  codes ``xq + zero`` (symmetric grid: ``xq + 128``), oneDNN's ``u8 x s8`` product with int32 sums, the
+  weight scales applied by oneDNN and the row scales and zero points after: the reference's codes and
+  integer sums, so it differs from it by float rounding only (and a code where ``x * (1 / scale)`` and
+  ``x / scale`` round apart).
+* ``int_mm``: ``torch._int_mm`` (int8 x int8 -> int32; codes shifted by 128, the shift added back in int32)
+  with the scaling in torch ops: the reference's arithmetic exactly, slower (measured), kept for torch
+  builds without the quantized engine.
 
 Where both fbgemm and oneDNN can run, each weight takes the faster for the products it serves, decided
 at its first product (:func:`choose_kind`). With fastgen's CPU kernels (the row quantization in one pass,
@@ -59,6 +69,11 @@ ACTIVATIONS = {GELU: torch.nn.functional.gelu, RELU: torch.nn.functional.relu, S
 
 #: ``FASTGEN_INT8_BACKEND=int_mm`` forces the slower exact-reference backend (tests, bisecting).
 BACKEND_ENV = "FASTGEN_INT8_BACKEND"
+
+#: The activation grid: ``asymmetric`` (each row's [min, max] in 255 steps, the default) or ``symmetric``
+#: (``[-max|x|, max|x|]`` in 254 steps, CTranslate2's and this module's earlier scheme; kept for comparison:
+#: ``FASTGEN_INT8_GRID=symmetric``, or set this attribute in-process).
+GRID = os.environ.get("FASTGEN_INT8_GRID", "asymmetric").strip().lower()
 
 
 @functools.cache
@@ -184,13 +199,37 @@ def _finite_rows(x2: torch.Tensor, row_max: torch.Tensor) -> tuple[torch.Tensor,
     return x2.masked_fill(lost, 0.0), row_max.masked_fill(lost, 1.0), lost
 
 
-def int8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The semantics (module docstring), in plain torch: integer products summed exactly in int64."""
+def row_grid(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's asymmetric grid ``(scale, zero)``, both ``(M, 1)`` float32: ``lo = min(min x, 0)``,
+    ``hi = max(max x, 0)``, ``scale = max(hi - lo, TINY) / 255``, ``zero = round(-lo / scale)``; a row holding
+    a NaN or an infinity has a non-finite scale."""
+    lo = x2.amin(dim=1, keepdim=True).clamp_max_(0.0)
+    hi = x2.amax(dim=1, keepdim=True).clamp_min_(0.0)
+    scale = (hi - lo).clamp_min_(TINY).div_(255)
+    return scale, torch.round(-lo / scale)
+
+
+def _asymmetric_codes(x2: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``clamp(round(x / scale) + zero, 0, 255)`` as float (exact small integers)."""
+    return torch.round(x2 / scale).add_(zero).clamp_(0, 255)
+
+
+def int8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, grid: str | None = None
+) -> torch.Tensor:
+    """The semantics (module docstring), in plain torch: integer products summed exactly in int64.
+    ``grid``: ``asymmetric`` or ``symmetric`` (default: :data:`GRID`)."""
     codes, scale_w = quantize_weight(weight)
     x2 = x.reshape(-1, x.shape[-1])
-    x2, row_max, lost = _finite_rows(x2, _row_max(x2))
-    scale_x = row_max / 127
-    xq = torch.round(x2 / scale_x).clamp_(-127, 127).to(torch.int64)
+    if (grid or GRID) == "symmetric":
+        x2, row_max, lost = _finite_rows(x2, _row_max(x2))
+        scale_x = row_max / 127
+        xq = torch.round(x2 / scale_x).clamp_(-127, 127).to(torch.int64)
+    else:
+        scale_x, zero = row_grid(x2)
+        x2, scale_x, lost = _finite_rows(x2, scale_x)
+        zero = zero if lost is None else zero.masked_fill(lost, 0.0)
+        xq = (_asymmetric_codes(x2, scale_x, zero) - zero).to(torch.int64)
     y = (xq @ codes.to(torch.int64).t()).to(torch.float32) * (scale_x * scale_w)
     if lost is not None:
         y = y.masked_fill(lost, float("nan"))
@@ -215,7 +254,12 @@ class Int8Weight:
         self._lock = threading.Lock()
         codes, scale = quantize_weight(weight)
         self._codes: tuple[torch.Tensor, torch.Tensor] | None = (codes, scale)
-        self.nbytes = codes.numel() + scale.numel() * scale.element_size()  # a packed layout holds about as much
+        #: each output's codes summed (exact int32) and times its scale: the asymmetric grid's zero point
+        #: is taken out after a product computed with zero point 0
+        self.code_sums = codes.sum(dim=1, dtype=torch.int32)
+        self.col_sums = self.code_sums.to(torch.float32).mul_(scale)
+        # a packed layout holds about as much as the codes; scales and the two sums: 3 floats per output
+        self.nbytes = codes.numel() + 3 * scale.numel() * scale.element_size()
         self.kind = kind
         if kind != "auto":
             self._pack(kind, None)
@@ -251,6 +295,8 @@ class Int8Weight:
                 if self._codes is not None:
                     self._pack(choose_kind(x2.shape[0], self.out_features), x2.shape[0])
         fused = self.kind != "int_mm" and cpu_kernels.available()
+        if GRID != "symmetric" and self.kind != "fbgemm":
+            return self._asymmetric(x2, bias, activation, fused)
         if self.kind == "onednn" and fused:  # quantization in one kernel, scales and bias in another
             codes, row_max = torch.ops.fastgen_cpu.quantize_rows_u8(x2)
             y = self._onednn(codes)
@@ -280,11 +326,34 @@ class Int8Weight:
         y = y if bias is None else y.add_(bias)
         return ACTIVATIONS[activation](y) if activation else y
 
-    def _onednn(self, codes: torch.Tensor) -> torch.Tensor:
-        """oneDNN's ``u8 x s8`` product of codes with zero point 128, the weight scales applied."""
+    def _asymmetric(self, x2: torch.Tensor, bias: torch.Tensor | None, activation: int, fused: bool) -> torch.Tensor:
+        """:meth:`matmul` on each row's asymmetric grid (:func:`row_grid`), on oneDNN or ``torch._int_mm``."""
+        if fused:  # quantization in one kernel; scales, zero points and bias in another
+            codes, scale, zero = torch.ops.fastgen_cpu.quantize_rows_u8_zp(x2)
+            y = self._onednn(codes, 0)
+            return torch.ops.fastgen_cpu.scale_rows_add_(y, scale, bias, activation, zero, self.col_sums)
+        scale, zero = row_grid(x2)
+        x2, scale, lost = _finite_rows(x2, scale)
+        if lost is not None:
+            zero = zero.masked_fill(lost, 0.0)
+        codes = _asymmetric_codes(x2, scale, zero)
+        if self.kind == "onednn":
+            y = self._onednn(codes.to(torch.uint8), 0).sub_(zero * self.col_sums).mul_(scale)
+        else:  # int_mm: s8 codes (shifted by 128), the shift and zero point added back in int32, exactly
+            acc = torch._int_mm(codes.sub_(128).to(torch.int8), self.packed)
+            acc += (128 - zero).to(torch.int32) * self.code_sums
+            y = acc.to(torch.float32).mul_(scale * self.scale)
+        if lost is not None:
+            y.masked_fill_(lost, float("nan"))
+        y = y if bias is None else y.add_(bias)
+        return ACTIVATIONS[activation](y) if activation else y
+
+    def _onednn(self, codes: torch.Tensor, zero_point: int = 128) -> torch.Tensor:
+        """oneDNN's ``u8 x s8`` product of codes with ``zero_point``, the weight scales applied."""
         return torch.ops.onednn.qlinear_pointwise(
-            codes, 1.0, 128, self.packed, self.scale, self._zero_points, None, 1.0, 0, torch.float32, "none", [], ""
-        )
+            codes, 1.0, zero_point, self.packed, self.scale, self._zero_points, None, 1.0, 0, torch.float32, "none",
+            [], "",
+        )  # fmt: skip
 
 
 def prepare(weight: torch.Tensor) -> Int8Weight:

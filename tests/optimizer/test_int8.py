@@ -61,6 +61,35 @@ def test_int_mm_backend_is_the_reference_bit_for_bit(rows, k, n, seed, zero_row,
     assert torch.equal(result, int8_linear.int8_linear_reference(x, weight, b))
 
 
+def test_int_mm_is_the_reference_on_the_symmetric_grid_too(monkeypatch):
+    monkeypatch.setattr(int8_linear, "GRID", "symmetric")
+    weight, b = _weights(40, 72, 3, zero_row=True)
+    x = torch.randn(9, 72, generator=torch.Generator().manual_seed(4))
+    x[0] = 0
+    result = int8_linear.int8_linear(x, int8_linear.Int8Weight(weight, "int_mm"), b)
+    assert torch.equal(result, int8_linear.int8_linear_reference(x, weight, b, grid="symmetric"))
+    assert not torch.equal(result, int8_linear.int8_linear_reference(x, weight, b, grid="asymmetric"))
+
+
+@pytest.mark.parametrize("activation", [F.gelu, F.relu])
+def test_asymmetric_grid_halves_the_error_on_one_signed_rows(activation):
+    """A feed-forward block's second product takes post-GELU/ReLU rows: the symmetric grid wastes half its
+    codes there. With weights on their own grid (no weight error), the asymmetric grid's error against fp32
+    is about half; on two-signed rows it is never larger."""
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (96, 512), generator=generator)
+    codes[:, 0] = 127  # every row's max|W| is 127 codes: the weight grid holds W exactly
+    weight = codes.float() * 2**-10
+
+    def error(x, grid):
+        return (int8_linear.int8_linear_reference(x, weight, grid=grid) - F.linear(x, weight)).abs().mean().item()
+
+    one_signed = activation(torch.randn(64, 512, generator=generator) * 2)
+    assert error(one_signed, "asymmetric") < 0.6 * error(one_signed, "symmetric")
+    two_signed = torch.randn(64, 512, generator=generator)
+    assert error(two_signed, "asymmetric") <= 1.02 * error(two_signed, "symmetric")
+
+
 #: products of every size the per-row quantization must handle (rows x k inputs, n outputs)
 PRODUCTS = dict(
     rows=st.integers(1, 40),
@@ -117,7 +146,7 @@ def test_auto_packs_each_weight_once_for_the_backend_its_first_product_needs(mon
     assert (big.kind, small.kind) == ("onednn", "fbgemm")
     assert big._codes is None and small._codes is None  # the codes are dropped once packed
     small.matmul(torch.randn(4096, 64))  # a later, larger product keeps the first choice
-    assert small.kind == "fbgemm" and small.nbytes == 64 * 64 + 64 * 4
+    assert small.kind == "fbgemm" and small.nbytes == 64 * 64 + 3 * 64 * 4  # codes; scales and two sums
 
 
 @pytest.mark.skipif(int8_linear.backend() != "auto", reason="auto needs both fbgemm and oneDNN")
@@ -263,7 +292,7 @@ def test_reports_the_int8_copies_bytes():
         pass
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     distinct = {id(m): m for m in linears}.values()
-    expected = sum(m.weight.numel() + 4 * m.weight.shape[0] for m in distinct)  # a byte a weight, fp32 scales
+    expected = sum(m.weight.numel() + 12 * m.weight.shape[0] for m in distinct)  # a byte a weight; 3 fp32 a row
     assert linear_modes.int8_bytes() == expected
 
 
