@@ -238,10 +238,15 @@ def _make_dispatcher(
     # The body reads closure variables only, never this module's globals (see below); their names
     # are unlikely to shadow a global of the upstream module for TorchScript.
     _fastgen_features_for, _fastgen_scope, _fastgen_feature = _features_for, _scope, feature
-    _fastgen_original, _fastgen_replacement = original, replacement
+    _fastgen_state, _fastgen_original, _fastgen_replacement = _state, original, replacement
 
     def dispatcher(*args: Any, **kwargs: Any) -> Any:
         # Decided here, per call, outside any traced forward: which features are on for this call.
+        if not _fastgen_state.model_rules:  # _features_for's common case, inline (one ContextVar read)
+            layer = _fastgen_scope.get()
+            if _fastgen_feature in (_fastgen_state.on if layer is None else layer.features):
+                return _fastgen_replacement(*args, **kwargs)
+            return _fastgen_original(*args, **kwargs)
         features, carry = _fastgen_features_for(args)
         if carry is None:
             if _fastgen_feature in features:
