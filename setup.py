@@ -69,9 +69,15 @@ class BuildPyWithSources(build_py):
             print(f"fastgen: no prebuilt CPU kernels in this wheel: {problem}", file=sys.stderr)
             return
         start = time.monotonic()
-        path = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
-        env = {**os.environ, "FASTGEN_DISABLE": "1", "PYTHONPATH": path}
-        command = [sys.executable, "-m", "fastgen.ops.cpu_kernels", "--prebuild", os.path.abspath(out)]
+        env = {**os.environ, "FASTGEN_DISABLE": "1"}
+        # this tree's fastgen.ops.cpu_kernels.run_from(HERE): not an installed (e.g. editable) fastgen's
+        code = (
+            "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+            "sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__module__.startswith('__editable__')]; "
+            "runpy.run_module('fastgen.ops.cpu_kernels', run_name='__main__', alter_sys=True)"
+        )
+        shipped = os.path.abspath(os.path.join(out, os.pardir, "_csrc", "cpu"))  # compiled and hashed as shipped
+        command = [sys.executable, "-c", code, HERE, "--prebuild", os.path.abspath(out), "--sources", shipped]
         run = subprocess.run(command, cwd=HERE, env=env, check=False)
         built = sorted(os.path.basename(p) for p in glob.glob(os.path.join(out, "*.so")))
         seconds = time.monotonic() - start

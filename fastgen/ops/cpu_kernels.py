@@ -540,8 +540,20 @@ def _prebuild(out: Path, isa: str) -> int:
     return 0
 
 
+def run_from(root: Path) -> list[str]:
+    """The command that runs this module from the ``fastgen`` package under ``root``, whatever fastgen the
+    interpreter would import (an editable install's finder comes before ``sys.path``): a wheel built from an
+    sdist compiles and hashes the sdist's sources with the sdist's flags."""
+    code = (
+        "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+        "sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__module__.startswith('__editable__')]; "
+        "runpy.run_module('fastgen.ops.cpu_kernels', run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", code, str(root)]
+
+
 def _main(argv: list[str]) -> int:
-    """``python -m fastgen.ops.cpu_kernels --prebuild DIR [--isa NAME]``: the wheel's prebuilt kernels.
+    """``python -m fastgen.ops.cpu_kernels --prebuild DIR [--isa NAME] [--sources DIR]``: the wheel's kernels.
 
     Each target is built in its own process (a process can load one copy of the ops); exit status 0 when
     at least one target was built.
@@ -551,14 +563,19 @@ def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastgen.ops.cpu_kernels")
     parser.add_argument("--prebuild", type=Path, required=True, help="directory for fastgen_cpu_<isa>.so/.json")
     parser.add_argument("--isa", choices=sorted(TARGETS), help="one target (default: each in a subprocess)")
+    parser.add_argument("--sources", type=Path, help="the kernel sources to compile (default: the package's)")
     args = parser.parse_args(argv)
+    if args.sources is not None:  # the copy that ships beside the kernels: what the runtime hashes
+        global _SOURCE_DIR
+        _SOURCE_DIR = args.sources.resolve()
     if args.isa is not None:
         return _prebuild(args.prebuild, args.isa)
     built = 0
     for isa in TARGETS:
         start = time.monotonic()
-        run = subprocess.run([sys.executable, "-m", "fastgen.ops.cpu_kernels", "--prebuild", str(args.prebuild),
-                              "--isa", isa], check=False)  # fmt: skip
+        command = [*run_from(Path(__file__).resolve().parents[2]), "--prebuild", str(args.prebuild), "--isa", isa]
+        command += ["--sources", str(_SOURCE_DIR)]
+        run = subprocess.run(command, check=False)
         built += run.returncode == 0
         print(f"{isa}: {time.monotonic() - start:.0f} s", file=sys.stderr)
     return 0 if built else 1

@@ -315,3 +315,40 @@ def test_a_read_only_cache_permission_is_what_the_test_above_relies_on(shared):
     probe = subprocess.run([*user, sys.executable, "-c", f"open({str(target / 'x')!r}, 'w')"], capture_output=True)
     assert probe.returncode != 0 and b"PermissionError" in probe.stderr
     assert stat.S_IMODE(target.stat().st_mode) == 0o555
+
+
+@needs_compiler
+def test_the_wheels_prebuild_step_makes_kernels_that_load_without_a_compiler(shared):
+    """What setup.py runs at wheel-build time, on the tiny source: one target (AVX2, ``-march=haswell``)
+    compiled, checked to load, copied with its sidecar; then loaded by a process with no compiler."""
+    if "avx2" not in cpu_kernels.isa_for(cpu_kernels._cpu_flags()):
+        pytest.skip("this CPU can't run the AVX2 target")
+    out = shared / "wheel-cpu"
+    command = [*cpu_kernels.run_from(ROOT), "--prebuild", str(out), "--isa", "avx2"]
+    command += ["--sources", str(shared / "sources")]
+    env = _clean_env(FASTGEN_CACHE=str(shared / "prebuild-cache"))
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    meta = json.loads((out / "fastgen_cpu_avx2.json").read_text())
+    assert meta["cflags"] == [*cpu_kernels.CFLAGS, "-march=haswell"]
+    assert meta["torch"] == torch.__version__.split("+")[0]
+    empty_bin = shared / "bin-prebuild"
+    empty_bin.mkdir()
+    env = _clean_env(
+        PATH=str(empty_bin),
+        FASTGEN_CACHE=str(shared / "empty-cache-2"),
+        FASTGEN_CPU_MARCH="haswell",  # the AVX2 target, whatever this CPU's best
+        TEST_SOURCES=str(shared / "sources"),
+        TEST_PREBUILT=str(out),
+    )
+    result, stderr = _load(env, timeout=120)
+    assert result["reason"] is None and result["ran"] and result["source"] == "prebuilt avx2 kernels", (result, stderr)
+
+
+def test_setup_runs_the_prebuild_step_from_its_own_tree():
+    """setup.py spells ``run_from``'s command itself (it can't import fastgen): the two must agree."""
+    code = cpu_kernels.run_from(ROOT)[2]
+    setup = (ROOT / "setup.py").read_text()
+    for statement in code.split("; "):
+        assert statement in setup, statement
+    assert '"--prebuild"' in setup and '"--sources"' in setup
