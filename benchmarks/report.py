@@ -476,8 +476,9 @@ def trained() -> str:
                     f"| {machine(r['environment'])} | {r['threads']} | {mode} | {name} "
                     f"| {100 * c['vs_upstream']['sequence_match']:.1f}% "
                     f"| {100 * c['vs_upstream']['token_agreement']:.2f}% "
-                    f"| {c['bleu']:.2f} | {c['chrf']:.2f} | {c['median_cpu_seconds']:.2f} s "
-                    f"| {load['start'][0]:.1f}–{load['end'][0]:.1f} |"
+                    f"| {c['bleu']:.2f} | {c['chrf']:.2f} "
+                    + (f"| {c['median_cpu_seconds']:.2f} s " if c["median_cpu_seconds"] is not None else "| – ")
+                    + f"| {load['start'][0]:.1f}–{load['end'][0]:.1f} |"
                 )
     return "\n".join(lines)
 
@@ -490,7 +491,8 @@ def trained_model() -> str:
     ]
     for path in sorted(RESULTS.glob("trained_agreement-*.json"))[:1]:
         held = json.loads(path.read_text())["model"]["held_out"]
-        for name, scores in (("all", held), ("masked", held["masked_tokens"]), ("copied", held["copied_tokens"])):
+        parts = [("all", held)] + [(n, held[f"{n}_tokens"]) for n in ("masked", "copied") if f"{n}_tokens" in held]
+        for name, scores in parts:
             lines.append(
                 f"| {name} ({scores['target_tokens']}) | {scores['cross_entropy_nats_per_token']:.2f} "
                 f"| {scores['predictive_entropy_nats_per_token']:.2f} | {100 * scores['argmax_accuracy']:.1f}% |"

@@ -38,7 +38,8 @@ import statistics
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,22 @@ import transformers
 import fastgen
 from benchmarks import train_small_model as trained
 from benchmarks.measure import alternate, environment, result_header, write_result
+from fastgen.ops import int8_linear
 
 MODES = {"beam4": 4, "greedy": 1}
 DEFAULT = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES)
 # The engine each candidate is quantized from: its agreement with that engine isolates the quantization.
-FP32_OF = {"fastgen_int8": "upstream", "ctranslate2_int8_float32": "ctranslate2_float32"}
+FP32_OF = {
+    "fastgen_int8": "upstream",
+    "fastgen_int8_symmetric": "upstream",
+    "ctranslate2_int8_float32": "ctranslate2_float32",
+}
+#: the pairs McNemar's test compares (rows equal to upstream)
+PAIRS = [
+    ("fastgen_int8", "ctranslate2_int8_float32"),
+    ("fastgen_int8_symmetric", "ctranslate2_int8_float32"),
+    ("fastgen_int8", "fastgen_int8_symmetric"),
+]
 
 
 def hf_features() -> dict[str, list[str] | None]:
@@ -64,7 +76,23 @@ def hf_features() -> dict[str, list[str] | None]:
     }
     if "int8" in fastgen.known_features():
         candidates["fastgen_int8"] = [*DEFAULT, "int8"]
+        if hasattr(int8_linear, "GRID"):  # the earlier, symmetric activation grid (CTranslate2's)
+            candidates["fastgen_int8_symmetric"] = [*DEFAULT, "int8"]
     return candidates
+
+
+@contextmanager
+def grid(name: str) -> Iterator[None]:
+    """int8's activation grid for a candidate: ``..._symmetric`` ones run the symmetric grid."""
+    if not hasattr(int8_linear, "GRID"):
+        yield
+        return
+    before = int8_linear.GRID
+    int8_linear.GRID = "symmetric" if name.endswith("_symmetric") else "asymmetric"
+    try:
+        yield
+    finally:
+        int8_linear.GRID = before
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
@@ -128,7 +156,7 @@ def _summary(name: str, r: dict[str, Any]) -> str:
     """One line per candidate for the log."""
     same = r["vs_upstream"]
     return (
-        f"{name} {r['median_wall_seconds']:.2f}s BLEU {r['bleu']:.1f} chrF {r['chrf']:.1f} rows "
+        f"{name} {r['median_wall_seconds'] or 0:.2f}s BLEU {r['bleu']:.1f} chrF {r['chrf']:.1f} rows "
         f"{100 * same['sequence_match']:.1f}% tokens {100 * same['token_agreement']:.1f}%"
     )
 
@@ -142,10 +170,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model-dir", type=Path, default=trained.DEFAULT_OUT)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up (0: agreement only)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--candidates", default="", help="comma-separated subset of the candidates (default: all)")
     parser.add_argument("--sensitivity", type=int, default=0, help="sentences for the per-group fp32 runs (0: none)")
+    parser.add_argument("--sensitivity-grids", default="fastgen_int8_symmetric,fastgen_int8")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -177,14 +206,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )  # fmt: skip
 
     results: dict[str, Any] = {}
-    for mode in args.modes.split(","):
+    for mode in filter(None, args.modes.split(",")):
         num_beams = MODES[mode]
 
-        def hf(features: list[str] | None, num_beams: int = num_beams) -> Callable[[], list[list[int]]]:
+        def hf(name: str, features: list[str] | None, num_beams: int = num_beams) -> Callable[[], list[list[int]]]:
             def decode() -> list[list[int]]:
                 scope = fastgen.unpatched() if features is None else fastgen.patched(features)
                 out = []
-                with scope, torch.inference_mode():
+                with scope, grid(name), torch.inference_mode():
                     for batch in hf_batches:
                         ids = model.generate(**batch, num_beams=num_beams, **trained.GENERATE)
                         out += [_cut(row[1:]) for row in ids.tolist()]  # without the decoder start token
@@ -206,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             return decode
 
-        candidates = {name: hf(features) for name, features in hf_features().items()}
+        candidates = {name: hf(name, features) for name, features in hf_features().items()}
         candidates |= {name: ct2(translator) for name, translator in translators.items()}
         if args.candidates:
             wanted = {"upstream", *args.candidates.split(",")}
@@ -232,8 +261,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row: dict[str, Any] = {
                 "vs_upstream": agreement(outputs["upstream"], ids),
                 **trained.quality(hypotheses, references),
-                "median_wall_seconds": statistics.median(wall),
-                "median_cpu_seconds": statistics.median(cpu),
+                "median_wall_seconds": statistics.median(wall) if wall else None,  # --rounds 0: not timed
+                "median_cpu_seconds": statistics.median(cpu) if cpu else None,
                 "wall_seconds": wall,
                 "generated_tokens": sum(len(r) for r in ids),
                 "same_output_every_round": stable[name],
@@ -242,20 +271,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row[f"vs_{FP32_OF[name]}"] = agreement(outputs[FP32_OF[name]], ids)
             entry["candidates"][name] = row
         equal = {name: [a == b for a, b in zip(outputs["upstream"], ids, strict=True)] for name, ids in outputs.items()}
-        if {"fastgen_int8", "ctranslate2_int8_float32"} <= equal.keys():
-            entry["paired_test_rows_equal_to_upstream"] = {
-                "first": "fastgen_int8",
-                "second": "ctranslate2_int8_float32",
-                **mcnemar_exact(equal["fastgen_int8"], equal["ctranslate2_int8_float32"]),
-            }
+        entry["paired_tests_rows_equal_to_upstream"] = [
+            {"first": first, "second": second, **mcnemar_exact(equal[first], equal[second])}
+            for first, second in PAIRS
+            if {first, second} <= equal.keys()
+        ]
+        for test_result in entry["paired_tests_rows_equal_to_upstream"]:
+            sys.stdout.write(f"{mode} paired: {test_result}\n")
         entry["copy_baseline"] = trained.quality([row["copy"] for row in test], references)
         results[mode] = entry
         sys.stdout.write(f"{mode}: " + "; ".join(_summary(n, r) for n, r in entry["candidates"].items()))
         sys.stdout.write(f"; load {rounds.load_average}\n")
         sys.stdout.flush()
 
+    per_group = None
     if args.sensitivity and "int8" in fastgen.known_features():
-        results["sensitivity"] = sensitivity(model, test, args.sensitivity, args.batch_size)
+        grids = [g for g in ("fastgen_int8_symmetric", "fastgen_int8") if g in args.sensitivity_grids.split(",")]
+        per_group = sensitivity(model, test, args.sensitivity, args.batch_size, grids)
 
     training = json.loads((args.model_dir / "training.json").read_text())
     with fastgen.unpatched():
@@ -279,6 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ctranslate2": getattr(ctranslate2, "__version__", None),
         "environment": env,
         "modes": results,
+        **({"sensitivity": per_group} if per_group else {}),
     }
     out = args.out or (
         Path(__file__).resolve().parent / "results" / f"trained_agreement-{env['cpu_kind']}-{args.threads}t.json"
@@ -287,9 +320,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
-def sensitivity(model: Any, test: list[dict[str, Any]], sentences: int, batch_size: int) -> dict[str, Any]:
+def sensitivity(
+    model: Any, test: list[dict[str, Any]], sentences: int, batch_size: int, grids: list[str]
+) -> dict[str, Any]:
     """Beam-4 rows equal to upstream on ``sentences`` evenly spaced test sentences: int8 everywhere, and
-    int8 with each group of :func:`linear_groups` kept in fp32."""
+    int8 with each group of :func:`linear_groups` kept in fp32, for each of ``grids`` (candidate names)."""
     step = max(1, len(test) // sentences)
     subset = test[::step][:sentences]
     batches = [
@@ -307,13 +342,17 @@ def sensitivity(model: Any, test: list[dict[str, Any]], sentences: int, batch_si
 
     upstream = decode(None)
     int8 = [*DEFAULT, "int8"]
-    rows = {"none (all int8)": agreement(upstream, decode(int8))["sequence_match"]}
-    for group, names in linear_groups(model).items():
-        with kept_fp32(model, names):
-            rows[group] = agreement(upstream, decode(int8))["sequence_match"]
-        sys.stdout.write(f"sensitivity: {group} in fp32: rows {100 * rows[group]:.1f}%\n")
-        sys.stdout.flush()
-    return {"sentences": len(subset), "num_beams": 4, "rows_equal_to_upstream_with_group_in_fp32": rows}
+    result: dict[str, Any] = {"sentences": len(subset), "num_beams": 4}
+    for name in grids:
+        with grid(name):
+            rows = {"none (all int8)": agreement(upstream, decode(int8))["sequence_match"]}
+            for group, names in linear_groups(model).items():
+                with kept_fp32(model, names):
+                    rows[group] = agreement(upstream, decode(int8))["sequence_match"]
+                sys.stdout.write(f"sensitivity {name}: {group} in fp32: rows {100 * rows[group]:.1f}%\n")
+                sys.stdout.flush()
+        result[f"{name}: rows_equal_to_upstream_with_group_in_fp32"] = rows
+    return result
 
 
 if __name__ == "__main__":
