@@ -84,11 +84,12 @@ def prefers_static(model: Any, settings: Settings, batch_size: int) -> str | Non
     fastgen's beam loop already drops finished inputs from a static batch, so for beam search both ways
     compute the same row-steps and refilling saves only steps, i.e. a step's fixed cost (weights streamed,
     per-op overhead): on this project's CPU worth about 16-20 rows (step time ``a + b x rows``, BART d=384
-    and bart-base). Measured at one thread: 1.03-1.04x static batches at 64 rows (BART d=384), 1.00-1.04x
-    (bart-base), 1.11x at 16 rows (bart-base). With two threads the GEMMs run on both cores and the
-    per-step work around them on one, and at 64 rows continuous batching measured 0.91x (bart-base): so
-    above :data:`STATIC_BEAM_ROWS` rows on more than one thread, static batches. Greedy static batches keep
-    finished rows (refilling saves rows too), and decoder-only beam search was not measured: continuous.
+    and bart-base). Measured at one thread: 1.11x static batches at 16 rows (bart-base), but at 64 rows
+    anywhere from 0.94x to 1.04x in different runs (BART d=384, a variable-length file) and 1.00-1.04x
+    (bart-base); at two threads 0.91x at 64 rows (the GEMMs run on both cores, the per-step work around
+    them on one). So above :data:`STATIC_BEAM_ROWS` rows the default is static batches at any thread
+    count: there the default can never lose to them. Greedy static batches keep finished rows (refilling
+    saves rows too), and decoder-only beam search was not measured: continuous.
 
     Only greedy/beam runs are ever switched: their results are the same either way. Sampling seeds per
     line under continuous batching and per batch in static batches, so its mode is never changed here.
@@ -98,10 +99,10 @@ def prefers_static(model: Any, settings: Settings, batch_size: int) -> str | Non
     if not _beam_loop_drops_finished():
         return None  # upstream's beam loop keeps finished inputs' rows in a static batch
     rows, threads = batch_size * settings.num_beams, torch.get_num_threads()
-    if rows <= STATIC_BEAM_ROWS or threads == 1:
+    if rows <= STATIC_BEAM_ROWS:
         return None
     return (
-        f"beam search over {rows} rows per step (> {STATIC_BEAM_ROWS}) on {threads} threads: fastgen's beam loop "
+        f"beam search over {rows} rows per step (> {STATIC_BEAM_ROWS}) on {threads} thread(s): fastgen's beam loop "
         "drops finished inputs from static batches, so refilling would save only steps, which are not slower there"
     )
 
