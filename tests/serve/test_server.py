@@ -83,7 +83,8 @@ def check_against_oracle(model, made, responses) -> None:
 @pytest.mark.parametrize("server", ["bart_server", "gpt2_server"])
 def test_concurrent_requests_equal_generate_alone(server, request):
     running = request.getfixturevalue(server)
-    made = requests(100, seed=1 if server == "bart_server" else 2)
+    # 100 concurrent requests on BART; 50 on gpt2 (the oracle, not the server, is what takes the time)
+    made = requests(100, seed=1) if server == "bart_server" else requests(50, seed=2)
     responses = asyncio.run(_send_all(running.url, made))
     check_against_oracle(running.model, made, responses)
     stats = running.engine.stats
