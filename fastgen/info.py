@@ -109,6 +109,13 @@ def _cpu_mode_lines() -> list[str]:
     else:
         attention = "on once the CPU kernels are loaded"
     lines.append(f"  attention kernel (fast modes): {attention}")
+    if os.environ.get("FASTGEN_EXACT_KERNEL", "1").strip().lower() in cpu_kernels.OFF:
+        ordered = "off (FASTGEN_EXACT_KERNEL=0)"
+    elif kernels.startswith(("off", "unavailable")):
+        ordered = "off (no CPU kernels): F.linear and its blocked forms"
+    else:
+        ordered = "calibrated per shape against F.linear, kept only where identical and faster"
+    lines.append(f"  ordered GEMM (exact mode): {ordered}")
     return lines
 
 

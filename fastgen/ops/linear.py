@@ -302,3 +302,13 @@ def forget_choices() -> None:
 def choices() -> dict[Key, Choice]:
     """A copy of the remembered choices (for ``fastgen.info``-style reports and tests)."""
     return dict(_choices)
+
+
+def forms_summary() -> str:
+    """The forms the calibrations chose in this process, with how many keys each (for reports and info)."""
+    counts: dict[str, int] = {}
+    for choice in list(_choices.values()):
+        counts[choice.form] = counts.get(choice.form, 0) + 1
+    if not counts:
+        return "no shape calibrated yet"
+    return ", ".join(f"{form} x{n}" for form, n in sorted(counts.items(), key=lambda item: -item[1]))

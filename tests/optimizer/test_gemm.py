@@ -1,6 +1,6 @@
 """The "gemm" feature: output projections in their calibrated exact form, same bits as upstream.
 
-Small block sizes and a calibration forced to keep a blocked form (when one is identical) make the
+Small block sizes and a calibration forced to keep a blocked or ordered form (when one is identical) make the
 tiny models run the path real shapes take; every comparison is exact (``torch.equal``).
 """
 
@@ -59,7 +59,7 @@ def test_logits_bit_identical_to_upstream(family, mode):
     candidate, report = _generate(model, inputs, ["gemm"], max_new_tokens=6, **mode)
     _assert_identical(reference, candidate)
     assert report.fast_path("gemm"), report
-    assert any(choice.block is not None for choice in linear.choices().values()), linear.choices()
+    assert any(c.block is not None or c.order is not None for c in linear.choices().values()), linear.choices()
     assert "forward" not in model.get_output_embeddings().__dict__  # the hook left with the call
 
 
@@ -148,20 +148,26 @@ def test_fairseq_output_projection_bit_identical(beam, features):
             assert torch.equal(ref["tokens"], cand["tokens"])
             assert torch.equal(ref["positional_scores"], cand["positional_scores"])
     assert report.fast_path("gemm"), report
-    assert any(choice.block is not None for choice in linear.choices().values()), linear.choices()
+    assert any(c.block is not None or c.order is not None for c in linear.choices().values()), linear.choices()
     # the feed-forward products (32 -> 64) ran exact_linear too, not only the 200-word projection
     assert any(key[1:3] == (64, 32) for key in linear.choices()), linear.choices()
 
 
 @pytest.mark.parametrize("family", ["bart", "llama"])
-def test_every_wide_plain_linear_runs_the_exact_form_during_the_call_only(family):
-    """Linears with at least ``MIN_OUT_FEATURES`` outputs (64 here) get the form; narrower ones keep
-    upstream's forward (exact_linear would run F.linear for them anyway)."""
+def test_every_wide_plain_linear_runs_the_exact_form_during_the_call_only(family, monkeypatch):
+    """Without fastgen's ordered kernel, linears with at least ``MIN_OUT_FEATURES`` outputs (64 here) get the
+    form; narrower ones keep upstream's forward (exact_linear would run F.linear for them anyway); with it,
+    every plain linear does (the kernel serves any width)."""
     model = harness.tiny_hf_model(family)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     wide = [m for m in linears if m.out_features >= linear.MIN_OUT_FEATURES]
     head = model.get_output_embeddings()
     assert len(wide) > 1 and len(wide) < len(linears), (len(wide), len(linears))
+    if linear.ordered_kernel() is not None:
+        with gemm.exact_output_projection(model):
+            assert all("forward" in m.__dict__ for m in linears)
+        assert not any("forward" in m.__dict__ for m in linears)
+    monkeypatch.setattr(linear, "ordered_kernel", lambda: None)
     with gemm.exact_output_projection(model):
         assert all("forward" in m.__dict__ for m in wide)
         assert not any("forward" in m.__dict__ for m in linears if m not in wide and m is not head)

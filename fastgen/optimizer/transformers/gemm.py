@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fastgen.ops import linear
 from fastgen.optimizer import exact_scope, linear_modes, report
 from fastgen.optimizer.exact_scope import exact_forwards, plain_linears
 from fastgen.optimizer.registry import fallback
@@ -65,6 +66,7 @@ def exact_output_projection(model: Any) -> Iterator[None]:
     with exact_forwards([head, *plain_linears(model, skip=[head])]):
         report.note_ran(FEATURE, "linears in their fastest bit-identical forms")
         yield
+    report.note_ran(FEATURE, f"forms chosen so far in this process: {linear.forms_summary()}")
 
 
 def make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
