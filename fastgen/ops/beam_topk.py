@@ -105,16 +105,23 @@ def log_probs_top_k(log_probs: torch.Tensor, beam_scores: torch.Tensor, k: int) 
     return BeamTopK(values, torch.div(flat, vocab, rounding_mode="floor"), flat % vocab)
 
 
+#: the largest k the top-k kernel serves (beam search asks for 2 x num_beams)
+KERNEL_MAX_K = 32
+
+
 def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(scores, k)`` of a 2-D float32 CPU tensor, bit for bit; where fastgen's CPU kernels are
     loaded already (a fast mode built them) through ``topk_distinct``, which returns torch's result for
     every row whose best k + 1 values are distinct and hands the other rows back to ``torch.topk``.
-    Measured on one loaded AMD EPYC core: 4 rows of 201,060 scores (bart-base, beam 4), 1.65 -> 0.14-0.18 ms."""
+    Measured on one loaded AMD EPYC core: 4 rows of 201,060 scores (bart-base, beam 4), 1.65 -> 0.14-0.18 ms.
+    The kernel keeps its k best in a sorted list: at large k (3.5x slower than torch.topk at k = 1024) and on
+    sorted rows it loses, so it serves only ``k <= KERNEL_MAX_K`` (beam search takes 2 x beams)."""
     if (
         scores.device.type != "cpu"
         or scores.dtype != torch.float32
         or scores.dim() != 2
         or not 1 <= k < scores.shape[1]
+        or k > KERNEL_MAX_K
         or not scores.is_contiguous()
         or torch.compiler.is_compiling()
         or not cpu_kernels.loaded()

@@ -115,3 +115,17 @@ def fastgen_generate(model, inputs, kwargs):
 
     with fastgen.patched():
         return model.generate(**inputs, **kwargs)
+
+
+@needs_kernels
+def test_large_k_goes_to_torch_topk(monkeypatch):
+    """The kernel's sorted list loses to torch.topk at large k (and on sorted rows): it serves k <= KERNEL_MAX_K."""
+    calls = []
+    kernel = torch.ops.fastgen_cpu.topk_distinct
+    monkeypatch.setattr(torch.ops.fastgen_cpu, "topk_distinct", lambda x, k: calls.append(k) or kernel(x, k))
+    scores = torch.randn(3, 5000)
+    for k in (beam_topk.KERNEL_MAX_K, beam_topk.KERNEL_MAX_K + 1, 1024):
+        values, indices = beam_topk.top_k(scores, k)
+        expected_values, expected_indices = torch.topk(scores, k)
+        assert torch.equal(values, expected_values) and torch.equal(indices, expected_indices)
+    assert calls == [beam_topk.KERNEL_MAX_K]
