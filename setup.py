@@ -64,6 +64,7 @@ class BuildPyWithSources(build_py):
 
     def _prebuild_cpu_kernels(self, out: str) -> None:
         """Never fails the build: a target that doesn't build is left out (the JIT build covers it)."""
+        shutil.rmtree(out, ignore_errors=True)  # build/lib outlives a build: never ship an earlier one's kernels
         problem = _prebuild_problem()
         if problem is not None:
             print(f"fastgen: no prebuilt CPU kernels in this wheel: {problem}", file=sys.stderr)

@@ -12,11 +12,19 @@ cd "$(dirname "$0")/.."
 BUILD_PY=${BUILD_PY:-.venv/bin/python}
 PY=${PYTHON:-python3}
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-"$BUILD_PY" -m build --sdist --wheel --outdir "$tmp/dist" . >"$tmp/build.log" 2>&1 || { cat "$tmp/build.log"; exit 1; }
+trap '[ -n "${SMOKE_KEEP:-}" ] || rm -rf "$tmp"' EXIT  # SMOKE_KEEP=1 keeps it to look into
+start=$(date +%s)
+"$BUILD_PY" -m build --sdist --wheel --no-isolation --outdir "$tmp/dist" . >"$tmp/build.log" 2>&1 ||
+  { cat "$tmp/build.log"; exit 1; }
+echo "sdist + wheel built in $(($(date +%s) - start)) s (load $(cut -d' ' -f1-3 /proc/loadavg))"
+grep "prebuilt CPU kernels" "$tmp/build.log" || true
 ls "$tmp"/dist
 tar -tzf "$tmp"/dist/fastgen_seq-*.tar.gz >"$tmp/sdist.txt"
 grep -q "csrc/bindings.cpp" "$tmp/sdist.txt"  # the sdist can rebuild the wheel
+if grep -q "\.so$" "$tmp/sdist.txt"; then echo "binaries in the sdist"; exit 1; fi
+"$BUILD_PY" -m zipfile -l "$tmp"/dist/fastgen_seq-*.whl | grep -o "fastgen/_cpu/fastgen_cpu_[a-z0-9]*\.so" |
+  tee "$tmp/prebuilt.txt"
+[ -s "$tmp/prebuilt.txt" ] || { echo "no prebuilt CPU kernels in the wheel"; exit 1; }
 "$PY" -m venv "$tmp/venv"
 VPY=$tmp/venv/bin/python
 # torch first, the CPU build (a plain "torch" requirement may pull a multi-GB CUDA build), as scripts/setup.sh

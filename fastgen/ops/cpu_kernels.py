@@ -457,8 +457,9 @@ def _resolve(build: bool) -> str | None:
             reason = f"unexpected {type(exc).__name__}: {exc}"
         if build or reason is None:
             _state["reason"] = reason
-            if reason is not None:
-                logger.warning("%sCPU kernels unavailable (%s); the fast modes use torch's ops", origin(), reason)
+            if reason is not None:  # a switch the user set is said quietly; anything else, visibly
+                level = logging.INFO if reason.endswith("(FASTGEN_JIT=0)") else logging.WARNING
+                logger.log(level, "%sCPU kernels unavailable (%s); the fast modes use torch's ops", origin(), reason)
         else:
             _state["lookup"] = reason
     return reason
