@@ -333,7 +333,7 @@ def _build(directory: Path, files: list[Path], facts: dict[str, object]) -> str 
         (directory / "build.json").unlink(missing_ok=True)
         (directory / f"{NAME}.so").unlink(missing_ok=True)  # a killed link may have left part of it
         logger.warning(
-            "%sbuilding the fast modes' CPU kernels for this CPU (once, ~%d s) in %s ...",
+            "%sbuilding CPU kernels for this CPU (once, ~%d s) in %s ...",
             origin(),
             estimated_build_seconds(len(files)),
             directory,
@@ -459,7 +459,7 @@ def _resolve(build: bool) -> str | None:
             _state["reason"] = reason
             if reason is not None:  # a switch the user set is said quietly; anything else, visibly
                 level = logging.INFO if reason.endswith("(FASTGEN_JIT=0)") else logging.WARNING
-                logger.log(level, "%sCPU kernels unavailable (%s); the fast modes use torch's ops", origin(), reason)
+                logger.log(level, "%sCPU kernels unavailable (%s); torch's ops run instead", origin(), reason)
         else:
             _state["lookup"] = reason
     return reason
@@ -472,6 +472,16 @@ def unavailable_reason() -> str | None:
     if disabled is not None:
         return disabled
     return _resolve(build=True)
+
+
+def can_build() -> bool:
+    """Whether a JIT build could run here (switches, sources, compiler and ninja; checked once per process),
+    without building: the exact mode starts a background build only then, so a machine without a compiler
+    never hears of it."""
+    if "can_build" not in _state:
+        ok = _disabled() is None and not _jit_disabled() and bool(sources()) and _toolchain_problem() is None
+        _state["can_build"] = "yes" if ok else None
+    return _state["can_build"] is not None
 
 
 def available(build: bool = True) -> bool:
@@ -585,9 +595,3 @@ def _main(argv: list[str]) -> int:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.exit(_main(sys.argv[1:]))
-
-
-def can_build() -> bool:
-    """Whether a JIT build could run here now (sources, a toolchain, JIT allowed), without building: the
-    exact mode starts a background build only then, so a machine without a compiler never hears of it."""
-    return _disabled() is None and not _jit_disabled() and bool(sources()) and _toolchain_problem() is None
