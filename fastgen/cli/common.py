@@ -103,11 +103,16 @@ def add_mode_arg(group: argparse._ActionsContainer) -> None:
 def mode_block(mode: str | None, without: Iterable[str] = ()) -> contextlib.AbstractContextManager[None]:
     """The run in ``--mode`` (minus the features ``without`` names): a block of the thread that calls
     ``generate`` (the CLIs' main thread; their other threads only post-process), so fastgen's process-wide
-    selection is left as it was. Without ``--mode``: that selection (``FASTGEN_MODE`` / ``FASTGEN_FEATURES``)."""
-    if mode is None:
-        return contextlib.nullcontext()
+    selection is left as it was. Without ``--mode``: that selection (``FASTGEN_MODE`` / ``FASTGEN_FEATURES``), less
+    ``without`` (in a block too)."""
     import fastgen
-    from fastgen.optimizer.registry import mode_features
+    from fastgen.optimizer.registry import feature_enabled, mode_features
+
+    if mode is None:
+        if not without or not fastgen.is_enabled():
+            return contextlib.nullcontext()
+        chosen = [f for f in fastgen.known_features() if feature_enabled(f) and f not in set(without)]
+        return fastgen.patched(chosen)
 
     left = mode_features(mode) - set(without)
     return fastgen.patched(mode=mode) if left == mode_features(mode) else fastgen.patched(sorted(left))

@@ -27,7 +27,6 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
-import fastgen
 from fastgen.cli import distributed
 from fastgen.cli.common import (
     UsageError,
@@ -44,7 +43,6 @@ from fastgen.cli.fairseq_post import format_batch, offload_batch, replay_scores,
 from fastgen.cli.journal import Journal, ResumeError, merge_parts
 from fastgen.cli.journal import exists as journal_exists
 from fastgen.cli.pipeline import AsyncPipeline, PipelineError, Progress, make_executor
-from fastgen.optimizer.registry import feature_enabled
 
 logger = logging.getLogger("fastgen.cli.generate")
 
@@ -111,8 +109,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     early.add_argument("--cpu", action="store_true")
     executor = _start_workers(early.parse_known_args(argv)[0])
     args = parse_args(argv)
-    if args.exact_scores and args.mode is None:
-        without_dedup()
     try:
         with mode_block(args.mode, without=["dedup"] if args.exact_scores else []):
             return run(args, list(argv) if argv is not None else sys.argv[1:], executor)
@@ -131,12 +127,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "unset TORCH_FORCE_WEIGHTS_ONLY_LOAD to let fastgen-generate load them (trusted files only)"
             )
         raise
-
-
-def without_dedup() -> None:
-    """Keep every enabled fastgen feature but ``dedup`` (for ``--exact-scores``)."""
-    if fastgen.is_enabled():
-        fastgen.enable([f for f in fastgen.known_features() if feature_enabled(f) and f != "dedup"])
 
 
 def _check(cfg: Any) -> None:
