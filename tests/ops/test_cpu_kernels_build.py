@@ -99,6 +99,9 @@ def shared():
     for directory in (path, sources):
         directory.chmod(0o755)
     yield path
+    for item in path.rglob("*"):  # the read-only copies, for a user chmod does stop
+        if item.is_dir() and not item.is_symlink():
+            item.chmod(0o755)
     shutil.rmtree(path, ignore_errors=True)
 
 
