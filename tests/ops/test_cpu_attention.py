@@ -136,7 +136,8 @@ class _Spy:
 
 
 def _generate(model, inputs, features, kernel, monkeypatch, **kwargs):
-    monkeypatch.setenv("FASTGEN_CPU_KERNELS", "1" if kernel else "0")
+    """With or without the attention kernel; the other CPU kernels (int8's passes, its oneDNN backend) in both."""
+    monkeypatch.setenv("FASTGEN_CPU_ATTENTION", "1" if kernel else "0")
     with fastgen.patched(features), torch.inference_mode():
         return model.generate(**inputs, **kwargs)
 
@@ -163,9 +164,10 @@ def test_fast_modes_run_the_kernel_and_change_nothing_beyond_rounding(feature, f
     assert (inputs["attention_mask"] == 0).any()
     kwargs = dict(GENERATIONS[search], return_dict_in_generate=True, output_scores=True)
     features = [*DEFAULT_FEATURES, feature]
+    spy = _Spy(monkeypatch)
     torch.manual_seed(0)
     without = _generate(model, inputs, features, False, monkeypatch, **kwargs)
-    spy = _Spy(monkeypatch)
+    assert spy.rows == []  # FASTGEN_CPU_ATTENTION=0: stock attention
     torch.manual_seed(0)
     with_kernel = _generate(model, inputs, features, True, monkeypatch, **kwargs)
     assert 1 in spy.rows  # self-attention of each hypothesis

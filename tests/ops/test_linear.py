@@ -2,7 +2,8 @@
 
 Small block sizes stand in for the real ones so that tiny weights exercise the blocked path; the
 calibration's own identity check decides, as it does at real shapes. No timings are asserted:
-where a test needs a particular choice it replaces :func:`fastgen.ops.linear.pick`.
+where a test needs a particular choice it replaces :func:`fastgen.ops.linear.pick`. The ordered kernel's
+forms are kept out here (``tests/ops/test_exact_gemm.py`` tests them).
 """
 
 import pytest
@@ -19,6 +20,7 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(linear, "BLOCK_SIZES", (8, 32, 64))
     monkeypatch.setattr(linear, "CALIBRATE_AFTER", 1)
     monkeypatch.setattr(linear, "MIN_OUT_FEATURES", 16)
+    monkeypatch.setattr(linear, "ordered_kernel", lambda: None)
     linear.forget_choices()
     yield
     linear.forget_choices()
