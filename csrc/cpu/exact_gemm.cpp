@@ -14,9 +14,10 @@
 // lane its own sequential chain, a register tile holding kCols columns, w read in place (row-major
 // (N, K): a column's k run is contiguous, broadcast per step) — a decode step's product needs no copy;
 // more rows: lanes run consecutive columns of a panel of w packed k-major, x packed in row tiles
-// (the usual BLAS layout). Threads split columns or rows, never k. Measured on an AMD EPYC (Zen 5,
-// AVX-512, one core): 16 x 768 -> 3072 and the 16-row vocabulary projection 1.2-1.4x MKL, 16 x 768 ->
-// 768 about even; 1024-row products 0.5-0.7x MKL (where the calibration keeps MKL). Nothing is assumed at run time: fastgen.ops.linear
+// (the usual BLAS layout). Threads split columns or rows, never k. Measured on an Intel Xeon (Emerald
+// Rapids, AVX-512, one core, a loaded machine): 16 x 768 -> 3072 and the 16-row vocabulary projection
+// 1.1-1.4x MKL, 16 x 768 -> 768 about even; 1024-row products 0.5-0.7x MKL (there the calibration keeps
+// MKL). Nothing is assumed at run time: fastgen.ops.linear
 // keeps this kernel for a shape only where it returned torch.equal results to F.linear on the real
 // input, and is faster.
 //
