@@ -6,10 +6,11 @@ Two kinds of candidate forms, both kept only where they proved identical on the 
   bits are an order of additions, not a library. On the CPUs measured so far MKL computes each output
   element as the bias plus, block after block of ``B`` consecutive ``k``, a sequential FMA chain over the
   block (B = 384 on an Intel Xeon, Emerald Rapids, with torch 2.13's MKL for most shapes at one thread; 192
-  on an AMD EPYC; other shapes, thread counts and CPUs differ). The kernel computes exactly such chains, for any block length and the
-  bias first or last, at AVX-512/AVX2 speed; the calibration tries every order in :data:`ORDER_BLOCKS`
-  and keeps one only if it is ``torch.equal`` to ``F.linear`` (a 1-row or 4-row product takes MKL's other
-  paths and never matches: it keeps ``F.linear``). ``FASTGEN_EXACT_KERNEL=0`` turns this form off.
+  on an AMD EPYC; other shapes, thread counts and CPUs differ). The kernel computes exactly such chains,
+  for any block length and the bias first or last, at AVX-512/AVX2 speed; the calibration tries every
+  order in :data:`ORDER_BLOCKS` and keeps one only if it is ``torch.equal`` to ``F.linear`` (a 1-row or
+  4-row product takes MKL's other paths and never matches: it keeps ``F.linear``).
+  ``FASTGEN_EXACT_KERNEL=0`` turns this form off.
 * **blocked**:
 
   at the row counts of a decode step (a few to a few dozen hypotheses) MKL's single
