@@ -14,6 +14,8 @@ fell back and why, and the cache saved.
 """
 
 import os
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import fastgen.optimizer.catalog  # noqa: F401  (declares the frameworks' patches to the registry)
 from fastgen.optimizer import registry
@@ -53,13 +55,27 @@ __all__ = [
 ]
 
 
-def generate_many(model, inputs, **kwargs):
+def generate_many(model: Any, inputs: Iterable[Any], **kwargs: Any) -> Iterator[Any]:
     """Continuous batching over many inputs, results in input order (see :mod:`fastgen.continuous`).
 
     Feature ``continuous`` (listed by :func:`status`, in every mode); switched off, each input runs
     ``generate`` alone. The mode is the one in force for ``model`` where ``generate_many`` is called (a
     :func:`mode` block, the model's own mode, or the process's), and holds for every result, however late
     it is read. Imported on first use: ``import fastgen`` must not import Transformers for fairseq-only users.
+
+    Args:
+        model: a Transformers model with ``generate``.
+        inputs: the inputs, a 1-D sequence of token ids each.
+        **kwargs: ``generate``'s settings (beams, lengths, sampling, no-repeat n-grams, ...), and
+            ``batch_rows``, ``return_scores``, ``seed`` (see :func:`fastgen.continuous.generate_many`).
+
+    Returns:
+        The results in input order, each what ``generate`` returns for that input alone (a tensor of token ids).
+
+    Example:
+        ```python
+        outputs = fastgen.generate_many(model, [ids_a, ids_b, ids_c], num_beams=4, max_new_tokens=64)
+        ```
     """
     from fastgen.continuous import generate_many as _generate_many
 

@@ -716,6 +716,21 @@ def enable(features: str | Iterable[str] | None = None, *, mode: str | None = No
     re-selects (and re-installs every patch: a call of another thread running meanwhile may see upstream's
     code for part of it; to change the mode of some calls, use :func:`mode` instead). Blocks
     (:func:`mode`, :func:`patched`, :func:`unpatched`) and models' own modes take precedence here.
+
+    Args:
+        features: the selection (``"ngram,dedup"``, ``["ngram"]``, ``[]``) or changes (``"+int8"``,
+            ``"-speculative"``); None: the mode's features.
+        mode: ``"exact"``, ``"fast"`` or ``"int8"``; None: ``exact`` (or the environment, with no features).
+
+    Raises:
+        ValueError: an unknown feature or mode name.
+
+    Example:
+        ```python
+        import fastgen
+
+        fastgen.enable(mode="int8")  # every later call in the process, unless a block says otherwise
+        ```
     """
     known = known_features()
     if features is None and mode is None:
@@ -768,7 +783,16 @@ def _block(features: frozenset[str], name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def unpatched() -> Iterator[None]:
-    """Run upstream code inside the block (this thread/task only); patches stay installed."""
+    """Run upstream code inside the block (this thread/task only); patches stay installed.
+
+    The tests' oracle: upstream's result on the same model and inputs, for comparison.
+
+    Example:
+        ```python
+        with fastgen.unpatched():
+            reference = model.generate(**inputs, num_beams=4)
+        ```
+    """
     token = _scope.set(_Layer(frozenset(), "off", None, _scope.get()))
     try:
         yield
@@ -782,7 +806,21 @@ def patched(
     """Run fastgen inside the block, this thread/task only: with ``features`` / ``mode`` as :func:`enable`
     takes them, or, with neither, what ``import fastgen`` selects (``FASTGEN_MODE`` / ``FASTGEN_FEATURES``,
     else mode ``exact``). Other threads, and this one after the block, run as before; it works with
-    fastgen disabled too (the patches are installed for the block)."""
+    fastgen disabled too (the patches are installed for the block).
+
+    Args:
+        features: as :func:`enable`'s ``features``.
+        mode: as :func:`enable`'s ``mode``.
+
+    Raises:
+        ValueError: an unknown feature or mode name.
+
+    Example:
+        ```python
+        with fastgen.patched(["dedup", "ngram"]):
+            out = model.generate(**inputs, num_beams=4, no_repeat_ngram_size=3)
+        ```
+    """
     known = known_features()
     if features is None and mode is None:
         chosen = _from_environment(known)
@@ -945,6 +983,22 @@ def mode(name: str | None, *, model: Any = None) -> ModeScope:
     the innermost block wins (``with fastgen.unpatched():`` runs upstream even on a model with a mode). A
     call's mode holds for the whole call, the models it calls included (an assistant model's drafts). Blocks
     and models' modes work with fastgen disabled as well.
+
+    Args:
+        name: ``"exact"``, ``"fast"`` or ``"int8"``; with ``model=`` as a statement, None clears the model's mode.
+        model: the model whose calls the mode is for (any ``torch.nn.Module`` fastgen serves).
+
+    Returns:
+        A context manager (also effective at once as a statement when ``model`` is given).
+
+    Raises:
+        ValueError: an unknown mode name.
+
+    Example:
+        ```python
+        with fastgen.mode("int8"):
+            out = model.generate(**inputs, num_beams=4)
+        ```
     """
     return ModeScope(name, model)
 

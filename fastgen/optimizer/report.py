@@ -61,7 +61,19 @@ class Report:
 
 @contextlib.contextmanager
 def report() -> Iterator[Report]:
-    """Collect a :class:`Report` of every fastgen decision taken inside the block."""
+    """Collect a :class:`Report` of every fastgen decision taken inside the block (this thread/task).
+
+    Returns:
+        The :class:`Report`, filled as the block runs (cache sizes settle when it ends).
+
+    Example:
+        ```python
+        with fastgen.report() as r:
+            model.generate(**inputs, num_beams=4)
+        print(r)  # what ran, what fell back and why
+        assert r.fast_path("dedup")
+        ```
+    """
     result = Report()
     token = _current.set(result)
     try:
