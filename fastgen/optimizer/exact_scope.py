@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import types
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -26,6 +27,15 @@ from fastgen.ops.linear import exact_linear
 FORWARDS_LOCK = threading.RLock()
 _lock = FORWARDS_LOCK
 _installed: dict[int, int] = {}  # id(linear) -> number of calls using the installed forward
+#: Per model: whether the ordered kernel was loaded when its linears were last chosen. A compiled forward
+#: guards on which linears carry an instance forward (``___dict_contains('forward', ...)``), so once the model
+#: is compiled the set must not grow when the kernel's background build finishes later in the process.
+_ordered_for: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    """Transformers' ``generate`` compiled the model (``compile_config``, static cache) or the user did."""
+    return getattr(model, "_compiled_call", None) is not None or getattr(model, "_compiled_call_impl", None) is not None
 
 
 def _exact_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -56,6 +66,9 @@ def plain_linears(model: torch.nn.Module, skip: Iterable[torch.nn.Module] = ()) 
     chosen: dict[int, torch.nn.Linear] = {id(module): module for module in skip}
     found: list[torch.nn.Linear] = []
     ordered = linear.ordered_kernel() is not None  # fastgen's ordered kernel serves any width
+    if _compiled(model) and model in _ordered_for:
+        ordered = _ordered_for[model]  # keep the set the compiled graph was traced with
+    _ordered_for[model] = ordered
     for module in model.modules():
         if type(module) is not torch.nn.Linear or id(module) in chosen:
             continue

@@ -172,3 +172,19 @@ def test_every_wide_plain_linear_runs_the_exact_form_during_the_call_only(family
         assert all("forward" in m.__dict__ for m in wide)
         assert not any("forward" in m.__dict__ for m in linears if m not in wide and m is not head)
     assert not any("forward" in m.__dict__ for m in linears)
+
+
+def test_a_compiled_model_keeps_its_linears_when_the_kernel_arrives(monkeypatch):
+    """A compiled forward guards on which linears carry an instance forward: when the ordered kernel's
+    background build lands between two calls, a compiled model keeps the set it was traced with (else one
+    recompilation); an eager model takes every width at once."""
+    from fastgen.optimizer import exact_scope
+
+    model = harness.tiny_hf_model("bart")
+    monkeypatch.setattr(linear, "ordered_kernel", lambda: None)
+    first = exact_scope.plain_linears(model)
+    monkeypatch.setattr(model, "_compiled_call", lambda *args, **kwargs: None, raising=False)
+    monkeypatch.setattr(linear, "ordered_kernel", lambda: object())
+    assert exact_scope.plain_linears(model) == first
+    monkeypatch.delattr(model, "_compiled_call")
+    assert len(exact_scope.plain_linears(model)) > len(first)
