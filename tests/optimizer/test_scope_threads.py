@@ -22,7 +22,11 @@ from fastgen.ops import int8_linear
 from fastgen.optimizer import registry
 from tests import harness
 
-pytestmark = pytest.mark.skipif(int8_linear.unavailable() is not None, reason=str(int8_linear.unavailable()))
+pytestmark = [
+    pytest.mark.skipif(int8_linear.unavailable() is not None, reason=str(int8_linear.unavailable())),
+    harness.requires_feature("int8"),  # the modes' Transformers patches are declared for 5.18+ (CI runs 5.15.1)
+    harness.requires_feature("dedup"),
+]
 
 DEFAULTS = sorted(registry.default_features())
 KWARGS = dict(num_beams=2, max_new_tokens=5, min_new_tokens=5, return_dict_in_generate=True, output_scores=True)
