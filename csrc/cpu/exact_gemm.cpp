@@ -82,14 +82,11 @@ inline V vfma(V a, V b, V c) { return std::fma(a, b, c); }
 inline V vadd(V a, V b) { return std::fma(a, 1.0f, b); }
 #endif
 
-constexpr int64_t kPackTiles = 2;  // row tiles from which packing the weights pays
-
 enum BiasAt : int64_t { kBiasFirst = 0, kBiasLast = 1 };
 
 // One tile: kLanes rows (xt: this tile's input, k-major, kLanes floats per k) by `cols` <= kCols
 // columns n0.. of w; writes the totals to out (cols x kLanes, column-major in lanes).
-// w(j, k) = w[j * col_stride + k * k_stride]: the weight in place (col_stride K, k_stride 1) or a panel
-// packed k-major (col_stride 1, k_stride kCols).
+// w(j, k) = w[j * col_stride + k * k_stride] (the weight in place: col_stride K, k_stride 1).
 template <int kC>
 void tile(const float* xt, const float* w, int64_t col_stride, int64_t k_stride, int64_t K, int64_t n0,
           const float* bias, int64_t block, bool bias_last, float* out) {
@@ -321,29 +318,15 @@ at::Tensor ordered_linear(const at::Tensor& x, const at::Tensor& w, const std::o
   float* yp = y.data_ptr<float>();
   const int64_t groups = (N + kCols - 1) / kCols;
   const bool last = bias_at == kBiasLast;
-  // work items: (column group, row tile), column groups outermost so a thread's w rows stay in cache
-  // several row tiles: each column group's weights are packed k-major once (one stream for the
-  // broadcasts instead of kCols rows K apart) and reused by every tile; one tile reads them in place
-  const bool pack = tiles >= kPackTiles;
+  // work items: (column group, row tile): one tile here (more rows take panel_linear); w read in place
   at::parallel_for(0, groups * tiles, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float out[kCols * kTile];
-    std::vector<float> panel(pack ? K * kCols : 0);
-    int64_t packed = -1;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = i / tiles, t = i % tiles;
       const int64_t n0 = g * kCols;
       const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
-      const TileFn fn = pick_tile(cols, std::make_integer_sequence<int, kCols>{});
-      if (pack) {
-        if (packed != g) {
-          for (int j = 0; j < cols; ++j)
-            for (int64_t k = 0; k < K; ++k) panel[k * kCols + j] = wp[(n0 + j) * K + k];
-          packed = g;
-        }
-        fn(xtp + t * K * kTile, panel.data(), 1, kCols, K, n0, b, block, last, out);
-      } else {
-        fn(xtp + t * K * kTile, wp + n0 * K, K, 1, K, n0, b, block, last, out);
-      }
+      pick_tile(cols, std::make_integer_sequence<int, kCols>{})(xtp + t * K * kTile, wp + n0 * K, K, 1, K, n0, b,
+                                                                 block, last, out);
       const int64_t rows = std::min<int64_t>(kTile, M - t * kTile);
       for (int64_t r = 0; r < rows; ++r) {
         float* dst = yp + (t * kTile + r) * N + n0;
