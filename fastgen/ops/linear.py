@@ -111,6 +111,8 @@ def _blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, b
 
 
 _background_load: list[threading.Thread] = []
+_F32 = torch.float32
+_loaded_op: dict[str, Callable[..., torch.Tensor]] = {}  # FASTGEN_EXACT_KERNEL's value -> the loaded op
 
 
 def ordered_kernel() -> Callable[..., torch.Tensor] | None:
@@ -119,7 +121,11 @@ def ordered_kernel() -> Callable[..., torch.Tensor] | None:
     Prebuilt or cached kernels load at once; otherwise their build starts once in a background thread
     (the exact mode runs ``F.linear`` meanwhile) and later calibrations use them.
     """
-    if os.environ.get(ORDERED_ENV, "1").strip().lower() in cpu_kernels.OFF:
+    setting = os.environ.get(ORDERED_ENV, "1")
+    op = _loaded_op.get(setting)
+    if op is not None:  # once loaded it stays: every later call asks only the setting
+        return op
+    if setting.strip().lower() in cpu_kernels.OFF:
         return None
     if not cpu_kernels.loaded() and not cpu_kernels.available(build=False):
         if not _background_load and cpu_kernels.can_build():
@@ -128,7 +134,10 @@ def ordered_kernel() -> Callable[..., torch.Tensor] | None:
             thread.start()
         return None
     ops = getattr(torch.ops, "fastgen_cpu", None)
-    return getattr(ops, "ordered_linear", None) if ops is not None else None
+    op = getattr(ops, "ordered_linear", None) if ops is not None else None
+    if op is not None:
+        _loaded_op[setting] = op
+    return op
 
 
 def _orders(weight: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[int, int]]:
@@ -192,15 +201,18 @@ def _key(x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
-    """Why this call runs ``F.linear`` itself (None: it can take the calibrated form)."""
+    """Why this call runs ``F.linear`` itself (None: it can take the calibrated form).
+
+    Runs on every linear of every step: plain attribute tests only (a few microseconds matter on a small model).
+    """
     if torch.compiler.is_compiling():
         return "traced by torch.compile"
-    tensors = (x, weight) if bias is None else (x, weight, bias)
-    if any(t.device.type != "cpu" for t in tensors):
+    if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)):
         return "not on CPU"
-    if any(t.dtype != torch.float32 for t in tensors):
+    if x.dtype is not _F32 or weight.dtype is not _F32 or (bias is not None and bias.dtype is not _F32):
         return "not float32"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    grads = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if grads and torch.is_grad_enabled():
         return "autograd"
     if x.dim() < 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return "shapes F.linear must judge"

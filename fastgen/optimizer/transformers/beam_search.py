@@ -315,6 +315,35 @@ def _drop_inputs(model_kwargs: dict[str, Any], keep: torch.Tensor, batch: int, b
                 getattr(cache, INPUT_SELECT)(keep, beams)
 
 
+LEAN_ENV = "FASTGEN_LEAN_STEP"
+
+
+class _StepOutputs(dict):
+    """What the loop reads of a forward's outputs (``.logits``, and the cache for the model kwargs)."""
+
+    def __init__(self, logits: torch.Tensor, cache: Any) -> None:
+        super().__init__({CACHE: cache})
+        self.logits = logits
+
+
+def _lean_step(model: Any) -> Any:
+    """The lean decode step (:class:`fastgen.models.lean_step.LeanDecodeStep`) for this call's model, or
+    None where upstream's forward runs every step (``FASTGEN_LEAN_STEP=0``, or a model it does not
+    reproduce: noted in the report)."""
+    # Imported here: at this module's import it would import transformers.modeling_utils, whose import
+    # hooks load other features' factories that import this (then partial) module.
+    from fastgen.models import lean_step
+
+    if os.environ.get(LEAN_ENV, "1").strip().lower() in {"0", "false", "off", "no"}:
+        return None
+    reason = lean_step.model_problem(model)
+    if reason is not None:
+        report.note_ran(FEATURE, f"decode step: upstream's forward ({reason})")
+        return None
+    report.note_ran(FEATURE, "decode step: the lean BART-family step")
+    return lean_step.LeanDecodeStep(model)
+
+
 def other_device_reason(input_ids: torch.Tensor, model: Any) -> str | None:
     """Upstream (5.24) lets the inputs stay on another device than the model and moves each step's
     model inputs; fastgen's loops keep every tensor on one device, so such a call runs upstream's."""
@@ -406,6 +435,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
 
     flat_running_sequences = input_ids
     processors = None  # prepared at the first step, when V is known
+    lean = _lean_step(self)
     prefill_consumed = False
     this_peer_finished = False
     model_outputs = self._prefill(
@@ -420,7 +450,11 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
             model_inputs = self.prepare_inputs_for_generation(
                 flat_running_sequences, next_sequence_length=next_sequence_length, **model_kwargs
             )
-            model_outputs = self(**model_inputs, return_dict=True)
+            stepped = lean.step(model_inputs) if lean is not None else None
+            if stepped is None:
+                model_outputs = self(**model_inputs, return_dict=True)
+            else:
+                model_outputs = _StepOutputs(logits=stepped[0], cache=stepped[1])
         prefill_consumed = True
         model_kwargs = self._update_model_kwargs_for_generation(
             model_outputs, model_kwargs, is_encoder_decoder=self.config.is_encoder_decoder

@@ -1,0 +1,245 @@
+"""One decode step of a BART-family decoder, without the module tree around it.
+
+Why: on a small model the products are a minor part of a step; the rest is Python. Upstream's step for
+one new token enters ~15 wrapped module calls per layer, rebuilds both attention masks, asks the cache
+its length twice and assembles three output dataclasses (a 7.9M-parameter BART, 64 rows: ~2.4 ms of a
+~13 ms step on one core). This step runs the same operations in the same order on the same tensors:
+every linear, embedding, layer norm and activation is still called as its module (so fastgen's linear
+modes and anything a user installed on a linear apply), attention goes through the function
+``ALL_ATTENTION_FUNCTIONS`` hands upstream (fastgen's beam-shared K/V included), and the self-attention
+cache grows through its own ``update``. Only the glue is gone: the layer, attention, decoder and model
+``forward`` wrappers, the masks (computed once per call, where upstream recomputes equal ones each step),
+dropout at ``p`` in eval mode (the identity) and the output objects. The logits are upstream's bit for
+bit (``tests/models/test_lean_step.py`` compares them step by step and ``generate`` end to end).
+
+Admitted by exact class (:data:`FAMILIES`): a subclass may compute its step differently. Anything
+outside what this step reproduces (hooks on a skipped module, training mode, an attention implementation
+other than SDPA, a decoder attention mask, a cache that is not the dynamic one, model inputs it does not
+know) keeps upstream's forward for the whole call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer, EncoderDecoderCache
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What one family's step looks like around its layers (checked against Transformers 5.23/5.24)."""
+
+    model: str  # the model class with the LM head, ``module.QualName``
+    decoder: str
+    layer: str
+    attention: str
+    positions: str  # "learned" (BART's, called with the ids) or "sinusoidal" (Marian's, called with the shape)
+    scale_outside_embedding: bool  # Marian multiplies by ``embed_scale`` in the decoder, BART inside the embedding
+    layernorm_embedding: bool
+
+
+def _family(package: str, prefix: str, model: str, positions: str, scale_outside: bool, ln_embedding: bool) -> Family:
+    base = f"transformers.models.{package}.modeling_{package}."
+    return Family(
+        base + model,
+        base + f"{prefix}Decoder",
+        base + f"{prefix}DecoderLayer",
+        base + f"{prefix}Attention",
+        positions,
+        scale_outside,
+        ln_embedding,
+    )
+
+
+#: model class -> its family; post-norm layers (``residual + sublayer``, then the layer norm) only
+FAMILIES: dict[str, Family] = {
+    f.model: f
+    for f in (
+        _family("bart", "Bart", "BartForConditionalGeneration", "learned", False, True),
+        _family("marian", "Marian", "MarianMTModel", "sinusoidal", True, False),
+    )
+}
+
+#: model inputs the step knows (anything else: upstream's forward)
+KNOWN_INPUTS = frozenset(
+    {"decoder_input_ids", "cache", "past_key_values", "attention_mask", "encoder_outputs", "use_cache"}
+)
+
+
+def _name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or getattr(module, "_forward_hooks_with_kwargs", None)
+        or getattr(module, "_backward_hooks", None)
+    )
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as module_module
+
+    return bool(
+        module_module._global_forward_hooks
+        or module_module._global_forward_pre_hooks
+        or module_module._global_backward_hooks
+        or getattr(module_module, "_global_backward_pre_hooks", None)
+    )
+
+
+def model_problem(model: Any) -> str | None:
+    """Why ``model``'s decode step must stay upstream's (None: the lean step reproduces it)."""
+    family = FAMILIES.get(_name(model))
+    if family is None:
+        return "not a model class the lean step reproduces"
+    if model.training:
+        return "training mode"
+    decoder = model.get_decoder()
+    if _name(decoder) != family.decoder:
+        return f"decoder class {_name(decoder)}"
+    if getattr(decoder.config, "_attn_implementation", None) != "sdpa":
+        return f"attention implementation {decoder.config._attn_implementation!r} (the lean step runs sdpa)"
+    if getattr(model, "_compiled_call", None) is not None or getattr(model, "_compiled_call_impl", None) is not None:
+        return "a compiled forward"
+    skipped = [model, model.model, decoder]
+    for layer in decoder.layers:
+        if _name(layer) != family.layer:
+            return f"decoder layer class {_name(layer)}"
+        for attention in (layer.self_attn, layer.encoder_attn):
+            if _name(attention) != family.attention:
+                return f"attention class {_name(attention)}"
+            skipped.append(attention)
+        skipped.append(layer)
+    if _global_hooks() or any(_has_hooks(m) for m in skipped):
+        return "hooks on a module whose forward the lean step skips"
+    return None
+
+
+class LeanDecodeStep:
+    """The decode step of one ``generate`` call (masks are computed at its first step and kept).
+
+    ``step(model_inputs)`` returns ``(logits, cache)`` with ``logits`` of shape ``(rows, 1, vocab)``, equal to
+    ``model(**model_inputs).logits`` and leaving the cache as that call would.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.family = FAMILIES[_name(model)]
+        self.decoder = model.get_decoder()
+        self._encoder_mask_for: tuple[Any, int] | None = None
+        self._encoder_mask: Any = None
+        self._self_mask_checked = False
+
+    @staticmethod
+    def inputs_problem(model_inputs: dict[str, Any]) -> str | None:
+        """Why these model inputs need upstream's forward (None: the step can run them)."""
+        unknown = set(model_inputs) - KNOWN_INPUTS
+        if unknown:
+            return f"model inputs {sorted(unknown)}"
+        ids = model_inputs.get("decoder_input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+            return "not a one-token decode step"
+        if not model_inputs.get("use_cache"):
+            return "no cache"
+        cache = model_inputs.get("cache", model_inputs.get("past_key_values"))
+        if not isinstance(cache, EncoderDecoderCache):
+            return "not an encoder-decoder cache"
+        if not cache.self_attention_cache.layers or any(
+            type(layer) is not DynamicLayer or not layer.is_initialized for layer in cache.self_attention_cache.layers
+        ):
+            return "a self-attention cache that is not a filled dynamic one"
+        crosses = cache.cross_attention_cache.layers
+        if not crosses or any(not cache.is_updated.get(i) for i in range(len(crosses))):
+            return "cross-attention K/V not cached yet"
+        encoder_outputs = model_inputs.get("encoder_outputs")
+        if getattr(encoder_outputs, "last_hidden_state", None) is None:
+            return "no encoder states"
+        return None
+
+    def _embed(self, ids: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the token embeddings, embeddings + positions), as the family's decoder computes them."""
+        decoder, family = self.decoder, self.family
+        embeds = decoder.embed_tokens(ids)
+        if family.scale_outside_embedding:
+            embeds = embeds * decoder.embed_scale
+        position_ids = torch.arange(1, device=embeds.device) + cache_length
+        if family.positions == "learned":
+            positions = decoder.embed_positions(ids, cache_length, position_ids=position_ids).to(embeds.device)
+        else:
+            positions = decoder.embed_positions(tuple(embeds.shape[:-1]), cache_length, position_ids=position_ids)
+        return embeds, embeds + positions
+
+    def _masks(self, embeds: torch.Tensor, cache: EncoderDecoderCache, model_inputs: dict[str, Any]) -> str | None:
+        config = self.decoder.config
+        if not self._self_mask_checked:
+            rows = embeds.shape[0]
+            ones = torch.ones(rows, cache.get_seq_length() + 1, device=embeds.device)
+            mask = create_causal_mask(
+                config=config, inputs_embeds=embeds, attention_mask=ones, cache=cache.self_attention_cache
+            )
+            if mask is not None:  # upstream's SDPA path skips it for one query and no padding; otherwise theirs
+                return "a self-attention mask"
+            self._self_mask_checked = True
+        encoder_mask = model_inputs.get("attention_mask")
+        seen = self._encoder_mask_for
+        if seen is None or seen[0] is not encoder_mask or seen[1] != embeds.shape[0]:  # new call or fewer inputs
+            self._encoder_mask = create_bidirectional_mask(
+                config=config,
+                inputs_embeds=embeds,
+                attention_mask=encoder_mask,
+                encoder_hidden_states=model_inputs["encoder_outputs"].last_hidden_state,
+            )
+            self._encoder_mask_for = (encoder_mask, embeds.shape[0])
+        return None
+
+    def step(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, EncoderDecoderCache] | None:
+        """The logits of this step (None: run upstream's forward instead, the inputs being outside the step)."""
+        if self.inputs_problem(model_inputs) is not None:
+            return None
+        ids = model_inputs["decoder_input_ids"]
+        cache: EncoderDecoderCache = model_inputs.get("cache", model_inputs.get("past_key_values"))
+        cache_length = cache.get_seq_length()
+        embeds, hidden = self._embed(ids, cache_length)
+        if self._masks(embeds, cache, model_inputs) is not None:
+            return None
+        decoder = self.decoder
+        if self.family.layernorm_embedding:
+            hidden = decoder.layernorm_embedding(hidden)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(decoder.config._attn_implementation, None)
+        self_cache, cross_cache = cache.self_attention_cache, cache.cross_attention_cache
+        input_shape = hidden.shape[:-1]
+        for layer in decoder.layers:
+            residual = hidden
+            attention = layer.self_attn
+            shape = (*input_shape, -1, attention.head_dim)
+            query = attention.q_proj(hidden).view(shape).transpose(1, 2)
+            key = attention.k_proj(hidden).view(shape).transpose(1, 2)
+            value = attention.v_proj(hidden).view(shape).transpose(1, 2)
+            key, value = self_cache.update(key, value, attention.layer_idx, kwargs={})
+            out, _ = attend(attention, query, key, value, None, dropout=0.0, scaling=attention.scaling)
+            out = attention.out_proj(out.reshape(*input_shape, -1).contiguous())
+            hidden = layer.self_attn_layer_norm(residual + out)
+
+            residual = hidden
+            attention = layer.encoder_attn
+            query = attention.q_proj(hidden).view(shape).transpose(1, 2)
+            cross = cross_cache.layers[attention.layer_idx]
+            out, _ = attend(
+                attention, query, cross.keys, cross.values, self._encoder_mask, dropout=0.0, scaling=attention.scaling
+            )
+            out = attention.out_proj(out.reshape(*input_shape, -1).contiguous())
+            hidden = layer.encoder_attn_layer_norm(residual + out)
+
+            residual = hidden
+            hidden = layer.fc2(layer.activation_fn(layer.fc1(hidden)))
+            hidden = layer.final_layer_norm(residual + hidden)
+        model = self.model
+        logits = model.lm_head(hidden) + model.final_logits_bias.to(hidden.device)  # Marian: no .to(), same bits
+        return logits, cache

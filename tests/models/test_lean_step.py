@@ -1,0 +1,144 @@
+"""The lean BART-family decode step (fastgen.models.lean_step): upstream's logits bit for bit.
+
+Three levels: one step against the model's own forward on copies of one cache (logits and the grown
+cache ``torch.equal``), ``generate`` with and without the step (``FASTGEN_LEAN_STEP=0``: bit-identical
+scores), and ``generate`` against upstream (tokens identical, scores within the harness's tolerance).
+A model it does not reproduce, or one with a hook on a module it would skip, runs upstream's forward.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fastgen
+from fastgen.models import lean_step
+from tests import harness
+
+pytestmark = harness.requires_feature("beam")
+
+FAMILIES = ("bart", "marian")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request: pytest.FixtureRequest):
+    model = harness.tiny_hf_model(request.param)
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight") and p.dim() == 2]
+    assert all(w.std() > 0.01 for w in weights), "a degenerate (constant) weight in the tiny model"
+    return model
+
+
+def _prefilled(model, rows_per_input: int = 3):
+    """Encoder outputs, the encoder mask and a cache after one forward of a decoder prompt of 2 tokens."""
+    inputs = harness.tiny_inputs(model, batch=2, length=9)
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(**inputs)
+    encoder_outputs.last_hidden_state = encoder_outputs.last_hidden_state.repeat_interleave(rows_per_input, 0)
+    mask = inputs["attention_mask"].repeat_interleave(rows_per_input, 0)
+    start = model.config.decoder_start_token_id
+    prompt = torch.tensor([[start, 5]] * mask.shape[0])
+    with torch.no_grad():
+        out = model(encoder_outputs=encoder_outputs, attention_mask=mask, decoder_input_ids=prompt, use_cache=True)
+    return encoder_outputs, mask, out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+def test_one_step_equals_the_forward_bit_for_bit(model):
+    assert lean_step.model_problem(model) is None
+    encoder_outputs, mask, cache = _prefilled(model)
+    step = lean_step.LeanDecodeStep(model)
+    generator = torch.Generator().manual_seed(3)
+    upstream_cache, lean_cache = cache, copy.deepcopy(cache)
+    for _ in range(4):
+        ids = torch.randint(3, harness.VOCAB, (mask.shape[0], 1), generator=generator)
+        inputs = dict(decoder_input_ids=ids, attention_mask=mask, encoder_outputs=encoder_outputs, use_cache=True)
+        with torch.no_grad():
+            reference = model(**inputs, cache=upstream_cache)
+            logits, lean_cache = step.step({**inputs, "cache": lean_cache})
+        assert torch.equal(logits, reference.logits)
+        layers = zip(lean_cache.self_attention_cache.layers, upstream_cache.self_attention_cache.layers, strict=True)
+        for ours, theirs in layers:
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def _generate(model, inputs, lean: bool, monkeypatch, **kwargs):
+    monkeypatch.setenv("FASTGEN_LEAN_STEP", "1" if lean else "0")
+    with fastgen.report() as report, torch.no_grad():
+        torch.manual_seed(0)
+        out = model.generate(**inputs, return_dict_in_generate=True, output_scores=True, **kwargs)
+    return out, report
+
+
+CASES = {
+    "beam4": dict(num_beams=4, max_new_tokens=8),
+    "beam3-ngram2-two-returned": dict(num_beams=3, no_repeat_ngram_size=2, num_return_sequences=2, max_new_tokens=8),
+    "beam4-early-eos": dict(num_beams=4, max_new_tokens=10, eos_token_id=[harness.EOS, 7, 11], length_penalty=0.5),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_generate_with_the_step_is_bit_identical_to_without(model, case, monkeypatch):
+    inputs = harness.tiny_inputs(model, batch=3, length=10)
+    without, _ = _generate(model, inputs, False, monkeypatch, **CASES[case])
+    with_step, report = _generate(model, inputs, True, monkeypatch, **CASES[case])
+    assert "decode step: the lean BART-family step" in report.ran.get("beam", [])
+    assert torch.equal(with_step.sequences, without.sequences)
+    assert torch.equal(with_step.sequences_scores, without.sequences_scores)
+    for ours, theirs in zip(with_step.scores, without.scores, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_generate_with_the_step_equals_upstream(model, case, monkeypatch):
+    monkeypatch.setenv("FASTGEN_LEAN_STEP", "1")
+    inputs = harness.tiny_inputs(model, batch=3, length=10)
+    _, _, report = harness.assert_same_generation(model, inputs, with_report=True, **CASES[case])
+    assert "decode step: the lean BART-family step" in report.ran.get("beam", [])
+
+
+def test_finished_inputs_leave_the_batch_under_the_step(model, monkeypatch):
+    """Without per-step scores the loop drops finished inputs (the masks' batch changes mid-call)."""
+    monkeypatch.setenv("FASTGEN_LEAN_STEP", "1")
+    inputs = harness.tiny_inputs(model, batch=4, length=10)
+    # a quarter of the vocabulary ends a hypothesis: inputs finish at different steps
+    kwargs = dict(num_beams=3, max_new_tokens=16, eos_token_id=list(range(3, 30)), early_stopping=True)
+    with fastgen.unpatched(), torch.no_grad():
+        reference = model.generate(**inputs, **kwargs)
+    with fastgen.report() as report, torch.no_grad():
+        candidate = model.generate(**inputs, **kwargs)
+    assert torch.equal(candidate, reference)
+    ran = report.ran.get("beam", [])
+    assert "decode step: the lean BART-family step" in ran
+    assert "finished inputs left the batch" in ran
+
+
+def test_a_hook_on_a_skipped_module_keeps_upstreams_forward(model, monkeypatch):
+    monkeypatch.setenv("FASTGEN_LEAN_STEP", "1")
+    calls = []
+    handle = model.get_decoder().layers[0].register_forward_hook(lambda *args: calls.append(1))
+    try:
+        inputs = harness.tiny_inputs(model, batch=2, length=8)
+        out, report = _generate(model, inputs, True, monkeypatch, num_beams=2, max_new_tokens=4)
+    finally:
+        handle.remove()
+    ran = report.ran.get("beam", [])
+    assert any("upstream's forward (hooks on a module" in entry for entry in ran), ran
+    assert len(calls) == out.sequences.shape[1] - 1  # the hook saw every step
+
+
+def test_other_families_and_eager_attention_keep_upstreams_forward():
+    assert lean_step.model_problem(harness.tiny_hf_model("mbart")) == "not a model class the lean step reproduces"
+    eager = harness.tiny_hf_model("bart", attn_implementation="eager")
+    assert "attention implementation 'eager'" in lean_step.model_problem(eager)
+    training = harness.tiny_hf_model("bart").train()
+    assert lean_step.model_problem(training) == "training mode"
+
+
+def test_unknown_model_inputs_are_refused():
+    assert lean_step.LeanDecodeStep.inputs_problem({"decoder_input_ids": torch.zeros(2, 1), "head_mask": 1}) == (
+        "model inputs ['head_mask']"
+    )
+    assert lean_step.LeanDecodeStep.inputs_problem({"decoder_input_ids": torch.zeros(2, 3)}) == (
+        "not a one-token decode step"
+    )
