@@ -11,6 +11,7 @@ import transformers
 from transformers.generation import utils as generation_utils
 
 import fastgen
+import fastgen.continuous.settings  # a patch target: imported, its patch is applied or skipped, never pending
 from fastgen.optimizer import registry
 from fastgen.optimizer.transformers import contract
 from tests.harness import requires_feature
