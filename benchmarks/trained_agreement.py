@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks.trained_agreement [--model-dir ~/.cache/fastgen/trained-bart-restore]
         [--modes beam4,greedy] [--threads 1] [--rounds 3] [--batch-size 16] [--candidates a,b,...]
-        [--sensitivity N] [--out FILE.json]
+        [--sensitivity N] [--sentences N] [--out FILE.json]
 
 The model, its test set and its CTranslate2 conversion are those ``benchmarks.train_small_model``
 wrote; its held-out cross-entropy and predictive entropy (masked and copied tokens apart) are recorded
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--candidates", default="", help="comma-separated subset of the candidates (default: all)")
     parser.add_argument("--sensitivity", type=int, default=0, help="sentences for the per-group fp32 runs (0: none)")
     parser.add_argument("--sensitivity-grids", default="fastgen_int8_symmetric,fastgen_int8")
+    parser.add_argument("--sentences", type=int, default=0, help="the first N test sentences only (0: all)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = transformers.BartForConditionalGeneration.from_pretrained(args.model_dir / "hf").eval()
     tokenizer = tokenizers.Tokenizer.from_file(str(args.model_dir / "hf" / "tokenizer.json"))
     test = trained.load_test(args.model_dir)
+    if args.sentences:
+        test = test[: args.sentences]
     references = [row["target"] for row in test]
     groups = [test[b : b + args.batch_size] for b in range(0, len(test), args.batch_size)]
     hf_batches = [trained.source_batch([row["source_ids"] for row in group]) for group in groups]
