@@ -40,27 +40,23 @@ class Family:
     positions: str  # "learned" (BART's, called with the ids) or "sinusoidal" (Marian's, called with the shape)
     scale_outside_embedding: bool  # Marian multiplies by ``embed_scale`` in the decoder, BART inside the embedding
     layernorm_embedding: bool
+    pre_norm: bool  # mBART, Pegasus: each sublayer normalises its input, the decoder its output
 
 
-def _family(package: str, prefix: str, model: str, positions: str, scale_outside: bool, ln_embedding: bool) -> Family:
+def _family(package: str, prefix: str, model: str, positions: str, *flags: bool) -> Family:
     base = f"transformers.models.{package}.modeling_{package}."
-    return Family(
-        base + model,
-        base + f"{prefix}Decoder",
-        base + f"{prefix}DecoderLayer",
-        base + f"{prefix}Attention",
-        positions,
-        scale_outside,
-        ln_embedding,
-    )
+    names = (base + model, base + f"{prefix}Decoder", base + f"{prefix}DecoderLayer", base + f"{prefix}Attention")
+    return Family(*names, positions, *flags)
 
 
-#: model class -> its family; post-norm layers (``residual + sublayer``, then the layer norm) only
+#: model class -> its family (flags: embedding scale outside the embedding, layernorm_embedding, pre-norm)
 FAMILIES: dict[str, Family] = {
     f.model: f
     for f in (
-        _family("bart", "Bart", "BartForConditionalGeneration", "learned", False, True),
-        _family("marian", "Marian", "MarianMTModel", "sinusoidal", True, False),
+        _family("bart", "Bart", "BartForConditionalGeneration", "learned", False, True, False),
+        _family("marian", "Marian", "MarianMTModel", "sinusoidal", True, False, False),
+        _family("mbart", "MBart", "MBartForConditionalGeneration", "learned", False, True, True),
+        _family("pegasus", "Pegasus", "PegasusForConditionalGeneration", "sinusoidal", True, False, True),
     )
 }
 
@@ -215,8 +211,12 @@ class LeanDecodeStep:
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(decoder.config._attn_implementation, None)
         self_cache, cross_cache = cache.self_attention_cache, cache.cross_attention_cache
         input_shape = hidden.shape[:-1]
+        pre = self.family.pre_norm
         for layer in decoder.layers:
+            # self-attention: post-norm normalises residual + output, pre-norm the input (upstream's order)
             residual = hidden
+            if pre:
+                hidden = layer.self_attn_layer_norm(hidden)
             attention = layer.self_attn
             shape = (*input_shape, -1, attention.head_dim)
             query = attention.q_proj(hidden).view(shape).transpose(1, 2)
@@ -224,22 +224,31 @@ class LeanDecodeStep:
             value = attention.v_proj(hidden).view(shape).transpose(1, 2)
             key, value = self_cache.update(key, value, attention.layer_idx, kwargs={})
             out, _ = attend(attention, query, key, value, None, dropout=0.0, scaling=attention.scaling)
-            out = attention.out_proj(out.reshape(*input_shape, -1).contiguous())
-            hidden = layer.self_attn_layer_norm(residual + out)
+            hidden = residual + attention.out_proj(out.reshape(*input_shape, -1).contiguous())
+            if not pre:
+                hidden = layer.self_attn_layer_norm(hidden)
 
             residual = hidden
+            if pre:
+                hidden = layer.encoder_attn_layer_norm(hidden)
             attention = layer.encoder_attn
             query = attention.q_proj(hidden).view(shape).transpose(1, 2)
             cross = cross_cache.layers[attention.layer_idx]
             out, _ = attend(
                 attention, query, cross.keys, cross.values, self._encoder_mask, dropout=0.0, scaling=attention.scaling
             )
-            out = attention.out_proj(out.reshape(*input_shape, -1).contiguous())
-            hidden = layer.encoder_attn_layer_norm(residual + out)
+            hidden = residual + attention.out_proj(out.reshape(*input_shape, -1).contiguous())
+            if not pre:
+                hidden = layer.encoder_attn_layer_norm(hidden)
 
             residual = hidden
-            hidden = layer.fc2(layer.activation_fn(layer.fc1(hidden)))
-            hidden = layer.final_layer_norm(residual + hidden)
+            if pre:
+                hidden = layer.final_layer_norm(hidden)
+            hidden = residual + layer.fc2(layer.activation_fn(layer.fc1(hidden)))
+            if not pre:
+                hidden = layer.final_layer_norm(hidden)
+        if pre:
+            hidden = decoder.layer_norm(hidden)
         model = self.model
-        logits = model.lm_head(hidden) + model.final_logits_bias.to(hidden.device)  # Marian: no .to(), same bits
+        logits = model.lm_head(hidden) + model.final_logits_bias.to(hidden.device)  # some without .to(): same bits
         return logits, cache

@@ -19,7 +19,7 @@ from tests import harness
 
 pytestmark = harness.requires_feature("beam")
 
-FAMILIES = ("bart", "marian")
+FAMILIES = ("bart", "marian", "mbart", "pegasus")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -128,7 +128,7 @@ def test_a_hook_on_a_skipped_module_keeps_upstreams_forward(model, monkeypatch):
 
 
 def test_other_families_and_eager_attention_keep_upstreams_forward():
-    assert lean_step.model_problem(harness.tiny_hf_model("mbart")) == "not a model class the lean step reproduces"
+    assert lean_step.model_problem(harness.tiny_hf_model("t5")) == "not a model class the lean step reproduces"
     eager = harness.tiny_hf_model("bart", attn_implementation="eager")
     assert "attention implementation 'eager'" in lean_step.model_problem(eager)
     training = harness.tiny_hf_model("bart").train()
@@ -142,3 +142,13 @@ def test_unknown_model_inputs_are_refused():
     assert lean_step.LeanDecodeStep.inputs_problem({"decoder_input_ids": torch.zeros(2, 3)}) == (
         "not a one-token decode step"
     )
+
+
+def test_without_dedup_the_step_reads_per_hypothesis_cross_kv(model, monkeypatch):
+    monkeypatch.setenv("FASTGEN_LEAN_STEP", "1")
+    inputs = harness.tiny_inputs(model, batch=3, length=10)
+    _, _, report = harness.assert_same_generation(
+        model, inputs, features=["beam"], with_report=True, num_beams=3, max_new_tokens=6
+    )
+    assert "dedup" not in report.ran
+    assert "decode step: the lean BART-family step" in report.ran.get("beam", [])
