@@ -8,8 +8,10 @@ The model, its test set and its CTranslate2 conversion are those ``benchmarks.tr
 wrote; its held-out cross-entropy and predictive entropy (masked and copied tokens apart) are recorded
 with the results. Candidates decode the same test batches with the same settings
 (``train_small_model.GENERATE``, natural end at ``</s>``): upstream Transformers (``fastgen.unpatched()``,
-the reference), fastgen's default (exact) features, fastgen + ``fast_gemm``, fastgen + ``int8`` where
-fastgen knows that feature, and CTranslate2 float32 and int8_float32 on the converted model.
+the reference), fastgen's default (exact) features, the same with upstream's forward at every step
+(``fastgen_exact_upstream_step``: ``FASTGEN_LEAN_STEP=0``, what the lean decode step saves), fastgen +
+``fast_gemm``, fastgen + ``int8`` where fastgen knows that feature, and CTranslate2 float32 and int8_float32
+on the converted model.
 
 Per candidate: the share of sentences whose generated ids equal upstream's, the share of positions that
 agree (over the longer of the two), BLEU and chrF (sacrebleu) against the references (the copy baseline's
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -50,6 +53,7 @@ import fastgen
 from benchmarks import train_small_model as trained
 from benchmarks.measure import alternate, environment, result_header, write_result
 from fastgen.ops import int8_linear
+from fastgen.optimizer.transformers.beam_search import LEAN_ENV
 
 MODES = {"beam4": 4, "greedy": 1}
 DEFAULT = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES)
@@ -72,6 +76,7 @@ def hf_features() -> dict[str, list[str] | None]:
     candidates: dict[str, list[str] | None] = {
         "upstream": None,
         "fastgen_exact": DEFAULT,
+        "fastgen_exact_upstream_step": DEFAULT,
         "fastgen_fast": [*DEFAULT, "fast_gemm"],
     }
     if "int8" in fastgen.known_features():
@@ -79,6 +84,23 @@ def hf_features() -> dict[str, list[str] | None]:
         if hasattr(int8_linear, "GRID"):  # the earlier, symmetric activation grid (CTranslate2's)
             candidates["fastgen_int8_symmetric"] = [*DEFAULT, "int8"]
     return candidates
+
+
+@contextmanager
+def decode_step(name: str) -> Iterator[None]:
+    """``*_upstream_step`` candidates: fastgen with upstream's forward at every step (no lean decode step)."""
+    if not name.endswith("_upstream_step"):
+        yield
+        return
+    previous = os.environ.get(LEAN_ENV)
+    os.environ[LEAN_ENV] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(LEAN_ENV, None)
+        else:
+            os.environ[LEAN_ENV] = previous
 
 
 @contextmanager
@@ -216,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             def decode() -> list[list[int]]:
                 scope = fastgen.unpatched() if features is None else fastgen.patched(features)
                 out = []
-                with scope, grid(name), torch.inference_mode():
+                with scope, grid(name), decode_step(name), torch.inference_mode():
                     for batch in hf_batches:
                         ids = model.generate(**batch, num_beams=num_beams, **trained.GENERATE)
                         out += [_cut(row[1:]) for row in ids.tolist()]  # without the decoder start token

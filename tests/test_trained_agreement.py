@@ -79,7 +79,8 @@ def test_agreement_script_exact_mode_equals_upstream(model_dir, tmp_path):
         assert mode["copy_baseline"].keys() == {"bleu", "chrf"}
         candidates = mode["candidates"]
         assert {"upstream", "fastgen_exact", "fastgen_fast"} <= candidates.keys()
-        assert candidates["fastgen_exact"]["vs_upstream"] == {"sequence_match": 1.0, "token_agreement": 1.0}
+        for exact in ("fastgen_exact", "fastgen_exact_upstream_step"):  # with and without the lean decode step
+            assert candidates[exact]["vs_upstream"] == {"sequence_match": 1.0, "token_agreement": 1.0}
         assert all({"bleu", "chrf", "median_wall_seconds", "vs_upstream"} <= c.keys() for c in candidates.values())
         assert ("fastgen_int8" in candidates) == report["int8_feature"]
 
