@@ -28,6 +28,8 @@ from transformers.cache_utils import DynamicLayer, EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from fastgen.models.growing_cache import GrowingLayer, grow_in_place, plain_layers
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -132,6 +134,13 @@ class LeanDecodeStep:
         self._encoder_mask_for: tuple[Any, int] | None = None
         self._encoder_mask: Any = None
         self._self_mask_checked = False
+        self._grown: list[Any] = []  # self-attention caches whose layers grow in place
+
+    def finish(self) -> None:
+        """Give the caches this step grew upstream's plain layers back (the call is over)."""
+        for cache in self._grown:
+            plain_layers(cache)
+        self._grown.clear()
 
     @staticmethod
     def inputs_problem(model_inputs: dict[str, Any]) -> str | None:
@@ -148,7 +157,8 @@ class LeanDecodeStep:
         if not isinstance(cache, EncoderDecoderCache):
             return "not an encoder-decoder cache"
         if not cache.self_attention_cache.layers or any(
-            type(layer) is not DynamicLayer or not layer.is_initialized for layer in cache.self_attention_cache.layers
+            type(layer) not in (DynamicLayer, GrowingLayer) or not layer.is_initialized
+            for layer in cache.self_attention_cache.layers
         ):
             return "a self-attention cache that is not a filled dynamic one"
         crosses = cache.cross_attention_cache.layers
@@ -206,6 +216,9 @@ class LeanDecodeStep:
         if self._masks(embeds, cache, model_inputs) is not None:
             return None
         decoder = self.decoder
+        if not any(cache.self_attention_cache is grown for grown in self._grown):
+            grow_in_place(cache.self_attention_cache)  # K/V written in place from here on (growing_cache)
+            self._grown.append(cache.self_attention_cache)
         if self.family.layernorm_embedding:
             hidden = decoder.layernorm_embedding(hidden)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(decoder.config._attn_implementation, None)

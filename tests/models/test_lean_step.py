@@ -4,6 +4,8 @@ Three levels: one step against the model's own forward on copies of one cache (l
 cache ``torch.equal``), ``generate`` with and without the step (``FASTGEN_LEAN_STEP=0``: bit-identical
 scores), and ``generate`` against upstream (tokens identical, scores within the harness's tolerance).
 A model it does not reproduce, or one with a hook on a module it would skip, runs upstream's forward.
+The self-attention cache grows in place under the step (fastgen.models.growing_cache) and leaves
+``generate`` as upstream's plain layers.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import copy
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 
 import fastgen
 from fastgen.models import lean_step
+from fastgen.models.growing_cache import GrowingLayer
 from tests import harness
 
 pytestmark = harness.requires_feature("beam")
@@ -152,3 +156,43 @@ def test_without_dedup_the_step_reads_per_hypothesis_cross_kv(model, monkeypatch
     )
     assert "dedup" not in report.ran
     assert "decode step: the lean BART-family step" in report.ran.get("beam", [])
+
+
+def test_the_returned_cache_has_plain_contiguous_layers_equal_to_upstreams(model, monkeypatch):
+    inputs = harness.tiny_inputs(model, batch=2, length=8)
+    outs = [_generate(model, inputs, lean, monkeypatch, num_beams=3, max_new_tokens=5)[0] for lean in (False, True)]
+    caches = [getattr(out, "cache", None) or out.past_key_values for out in outs]
+    for ours, theirs in zip(caches[1].self_attention_cache.layers, caches[0].self_attention_cache.layers, strict=True):
+        assert type(ours) is DynamicLayer and ours.keys.is_contiguous() and ours.values.is_contiguous()
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_a_growing_layer_does_what_a_dynamic_layer_does():
+    generator = torch.Generator().manual_seed(0)
+
+    def states(rows: int, length: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (rows, 2, length, 4)
+        return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+    plain = DynamicLayer()
+    plain.update(*states(6, 3))
+    growing = GrowingLayer(copy.deepcopy(plain))
+    steps = [
+        ("update", states(6)),
+        ("reorder_cache", torch.tensor([1, 1, 0, 5, 4, 2])),
+        *[("update", states(6)) for _ in range(40)],  # past the first buffer's room
+        ("batch_select_indices", torch.tensor([0, 2, 3, 5])),
+        ("update", states(4, 2)),
+        ("crop", -3),
+        ("batch_repeat_interleave", 2),
+        ("update", states(8)),
+        ("reorder_cache", torch.tensor([7, 6, 5, 4, 3, 2, 1, 0])),
+    ]
+    for method, argument in steps:
+        arguments = argument if method == "update" else (argument,)
+        getattr(plain, method)(*arguments)
+        getattr(growing, method)(*arguments)
+        assert torch.equal(growing.keys, plain.keys) and torch.equal(growing.values, plain.values), method
+        assert growing.get_seq_length() == plain.get_seq_length()
+    final = growing.plain()
+    assert type(final) is DynamicLayer and final.keys.is_contiguous() and torch.equal(final.keys, plain.keys)

@@ -72,6 +72,7 @@ from transformers.generation.utils import (
 )
 
 from fastgen.models._caches import hypothesis_rows
+from fastgen.models.growing_cache import GrowingLayer
 from fastgen.ops.beam_topk import log_probs_top_k
 from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
 from fastgen.optimizer import report
@@ -223,7 +224,7 @@ def _is_plain_dynamic(cache: Any) -> bool:
 
 
 #: upstream's dynamic layers whose only per-row state is K/V (a sliding window's length is per cache)
-_PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+_PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer)  # the last: the lean step's, per call
 
 
 #: the method a cache that is not upstream's plain one provides so that finished inputs can leave the
@@ -574,6 +575,8 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
             active, batch_size = active[keep], len(keep)
 
     final_sequences[active], final_scores[active], final_indices[active] = sequences, beam_scores, beam_indices
+    if lean is not None:
+        lean.finish()
     sequences, beam_scores, beam_indices = final_sequences, final_scores, final_indices
 
     # 5. outputs, as upstream
