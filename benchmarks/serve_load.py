@@ -111,7 +111,8 @@ def baseline_app(model: Any, max_batch: int, wait_s: float) -> Any:
         with fastgen.unpatched(), torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, **batch[0][1])
         rows = out.tolist()
-        return [row[width:] if left else row for row in rows]
+        # fastgen-serve's layout: a decoder-only row is the prompt and its continuation, without the padding
+        return [row[width - len(tokens) :] if left else row for row, (tokens, _) in zip(rows, batch, strict=True)]
 
     async def batcher() -> None:
         loop = asyncio.get_running_loop()
