@@ -489,7 +489,8 @@ def trained_model() -> str:
         "| held-out tokens | cross-entropy (nats) | predictive entropy (nats) | argmax accuracy |",
         "|---|---|---|---|",
     ]
-    for path in sorted(RESULTS.glob("trained_agreement-*.json"))[:1]:
+    newest = sorted(RESULTS.glob("trained_agreement-*.json"), key=lambda p: result_date(p) + p.name, reverse=True)
+    for path in newest[:1]:  # the model the newest run measured
         held = json.loads(path.read_text())["model"]["held_out"]
         parts = [("all", held)] + [(n, held[f"{n}_tokens"]) for n in ("masked", "copied") if f"{n}_tokens" in held]
         for name, scores in parts:

@@ -53,7 +53,10 @@ import fastgen
 from benchmarks import train_small_model as trained
 from benchmarks.measure import alternate, environment, result_header, write_result
 from fastgen.ops import int8_linear
-from fastgen.optimizer.transformers.beam_search import LEAN_ENV
+
+#: fastgen.optimizer.transformers.beam_search.LEAN_ENV (importing that module here, before Transformers'
+#: generation module, would run the patches' import hooks while it is half imported)
+LEAN_ENV = "FASTGEN_LEAN_STEP"
 
 MODES = {"beam4": 4, "greedy": 1}
 DEFAULT = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES)

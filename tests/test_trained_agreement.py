@@ -85,6 +85,12 @@ def test_agreement_script_exact_mode_equals_upstream(model_dir, tmp_path):
         assert ("fastgen_int8" in candidates) == report["int8_feature"]
 
 
+def test_the_lean_step_switch_is_the_loops():
+    from fastgen.optimizer.transformers import beam_search
+
+    assert trained_agreement.LEAN_ENV == beam_search.LEAN_ENV
+
+
 def test_agreement_and_the_paired_test():
     reference = [[7, 8, 9], [7, 8, 9], [7, 8, 9]]
     other = [[7, 5, 9], [7, 8, 6], [7, 8, 9]]
