@@ -24,6 +24,8 @@ import dataclasses
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers.cache_utils import DynamicLayer, EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -92,8 +94,16 @@ def _global_hooks() -> bool:
     )
 
 
+#: the Transformers releases whose decoder step this one reproduces (compared bit for bit in the tests);
+#: 5.23 and earlier build their masks and caches with other arguments
+TESTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))
+
+
 def model_problem(model: Any) -> str | None:
     """Why ``model``'s decode step must stay upstream's (None: the lean step reproduces it)."""
+    installed = Version(transformers.__version__)
+    if not TESTED_TRANSFORMERS[0] <= installed < TESTED_TRANSFORMERS[1]:
+        return f"Transformers {transformers.__version__} (the lean step reproduces 5.24's)"
     family = FAMILIES.get(_name(model))
     if family is None:
         return "not a model class the lean step reproduces"

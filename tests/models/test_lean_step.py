@@ -196,3 +196,9 @@ def test_a_growing_layer_does_what_a_dynamic_layer_does():
         assert growing.get_seq_length() == plain.get_seq_length()
     final = growing.plain()
     assert type(final) is DynamicLayer and final.keys.is_contiguous() and torch.equal(final.keys, plain.keys)
+
+
+def test_other_transformers_releases_keep_upstreams_forward(monkeypatch):
+    monkeypatch.setattr(lean_step.transformers, "__version__", "5.23.0")
+    reason = lean_step.model_problem(harness.tiny_hf_model("bart"))
+    assert reason == "Transformers 5.23.0 (the lean step reproduces 5.24's)"
