@@ -463,17 +463,18 @@ def ops_gpu() -> str:
 def trained() -> str:
     """Every ``trained_agreement-*.json``: per decoding mode and candidate, agreement, BLEU/chrF and CPU time."""
     lines = [
-        "| CPU | threads | mode | candidate | sentences = upstream | tokens = upstream | BLEU | chrF "
+        "| run | CPU | threads | mode | candidate | sentences = upstream | tokens = upstream | BLEU | chrF "
         "| process CPU (median) | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path in sorted(RESULTS.glob("trained_agreement-*.json")):
         r = json.loads(path.read_text())
+        run = path.stem.removeprefix("trained_agreement-")
         for mode, entry in r["modes"].items():
             load = entry["load_average"]
             for name, c in entry["candidates"].items():
                 lines.append(
-                    f"| {machine(r['environment'])} | {r['threads']} | {mode} | {name} "
+                    f"| {run} | {machine(r['environment'])} | {r['threads']} | {mode} | {name} "
                     f"| {100 * c['vs_upstream']['sequence_match']:.1f}% "
                     f"| {100 * c['vs_upstream']['token_agreement']:.2f}% "
                     f"| {c['bleu']:.2f} | {c['chrf']:.2f} "
@@ -739,6 +740,11 @@ def _ctranslate2_files() -> tuple[list[Path], list[Path]]:
     return order, sorted(earlier)
 
 
+def _machine_of(r: dict) -> str:
+    env = _environment(r)
+    return f"{env.get('device', '?')}, {short_kind(env)}"
+
+
 def _x(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
@@ -768,12 +774,14 @@ def ctranslate2_current() -> str:
     ]
     loads: list[float] = []
     exact_identical = True
+    machines = {_machine_of(json.loads(path.read_text())) for path in files}
     for path in files:
         r = json.loads(path.read_text())
+        where = f"{_machine_of(r)}: " if len(machines) > 1 else ""  # rows of several CPUs name theirs
         for mode, e in r["modes"].items():
             m = e["median_wall_seconds"]
             cells = [_x(m["upstream"] / m[c]) if m.get(c) else "–" for c in _CANDIDATES]
-            speed.append(f"| {_setting(r, mode)} | " + " | ".join(cells) + " |")
+            speed.append(f"| {where}{_setting(r, mode)} | " + " | ".join(cells) + " |")
             exact_identical &= all(e["identical_to_upstream"].values())
             agree = [
                 (e.get(key) or {}).get("token_agreement") for key in ("fast_mode_vs_upstream", "int8_mode_vs_upstream")
@@ -783,11 +791,12 @@ def ctranslate2_current() -> str:
             int8 = _x(m["ctranslate2_int8"] / m["fastgen_int8"]) if m.get("fastgen_int8") else "–"
             loads += e["load_average_1min"]
             versus.append(
-                f"| {_setting(r, mode)} | **{_x(m['ctranslate2'] / m['fastgen'])}** "
+                f"| {where}{_setting(r, mode)} | **{_x(m['ctranslate2'] / m['fastgen'])}** "
                 f"| **{_x(m['ctranslate2'] / m['fastgen_fast'])}** | **{int8}** | {tokens} |"
             )
+    place = _where(files[0], first) if len(machines) == 1 else "newest run per CPU"
     head = (
-        f"**CPU, {first['scenario']} shape{shape} (equal work forced), {_where(files[0], first)}**, 1-minute load "
+        f"**CPU, {first['scenario']} shape{shape} (equal work forced), {place}**, 1-minute load "
         f"{min(loads):.1f}–{max(loads):.1f}: speed-up over upstream Transformers (wall clock, medians; CT2 = "
         "CTranslate2)"
     )
