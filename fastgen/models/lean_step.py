@@ -130,6 +130,18 @@ def model_problem(model: Any) -> str | None:
     return None
 
 
+def _sublayer(hidden: torch.Tensor, norm: Any, pre: bool, run: Any, module: Any, step: tuple) -> torch.Tensor:
+    """``residual + run(x)`` around one sublayer, normalised where upstream's layer does it: the input
+    (pre-norm: mBART, Pegasus) or the sum (post-norm: BART, Marian). Same ops, same order, same bits."""
+    out = run(norm(hidden) if pre else hidden, module, step)
+    hidden = hidden + out
+    return hidden if pre else norm(hidden)
+
+
+def _feed_forward(hidden: torch.Tensor, layer: Any, step: tuple) -> torch.Tensor:
+    return layer.fc2(layer.activation_fn(layer.fc1(hidden)))
+
+
 class LeanDecodeStep:
     """The decode step of one ``generate`` call (masks are computed at its first step and kept).
 
@@ -215,6 +227,25 @@ class LeanDecodeStep:
             self._encoder_mask_for = (encoder_mask, embeds.shape[0])
         return None
 
+    @staticmethod
+    def _self_attention(hidden: torch.Tensor, attention: Any, step: tuple) -> torch.Tensor:
+        self_cache, _, attend, input_shape = step
+        shape = (*input_shape, -1, attention.head_dim)
+        query = attention.q_proj(hidden).view(shape).transpose(1, 2)
+        key = attention.k_proj(hidden).view(shape).transpose(1, 2)
+        value = attention.v_proj(hidden).view(shape).transpose(1, 2)
+        key, value = self_cache.update(key, value, attention.layer_idx, kwargs={})
+        out, _ = attend(attention, query, key, value, None, dropout=0.0, scaling=attention.scaling)
+        return attention.out_proj(out.reshape(*input_shape, -1).contiguous())
+
+    def _cross_attention(self, hidden: torch.Tensor, attention: Any, step: tuple) -> torch.Tensor:
+        _, cross_cache, attend, input_shape = step
+        query = attention.q_proj(hidden).view((*input_shape, -1, attention.head_dim)).transpose(1, 2)
+        cross = cross_cache.layers[attention.layer_idx]
+        mask, scaling = self._encoder_mask, attention.scaling
+        out, _ = attend(attention, query, cross.keys, cross.values, mask, dropout=0.0, scaling=scaling)
+        return attention.out_proj(out.reshape(*input_shape, -1).contiguous())
+
     def step(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, EncoderDecoderCache] | None:
         """The logits of this step (None: run upstream's forward instead, the inputs being outside the step)."""
         if self.inputs_problem(model_inputs) is not None:
@@ -235,41 +266,12 @@ class LeanDecodeStep:
         self_cache, cross_cache = cache.self_attention_cache, cache.cross_attention_cache
         input_shape = hidden.shape[:-1]
         pre = self.family.pre_norm
+        step = (self_cache, cross_cache, attend, input_shape)
         for layer in decoder.layers:
-            # self-attention: post-norm normalises residual + output, pre-norm the input (upstream's order)
-            residual = hidden
-            if pre:
-                hidden = layer.self_attn_layer_norm(hidden)
-            attention = layer.self_attn
-            shape = (*input_shape, -1, attention.head_dim)
-            query = attention.q_proj(hidden).view(shape).transpose(1, 2)
-            key = attention.k_proj(hidden).view(shape).transpose(1, 2)
-            value = attention.v_proj(hidden).view(shape).transpose(1, 2)
-            key, value = self_cache.update(key, value, attention.layer_idx, kwargs={})
-            out, _ = attend(attention, query, key, value, None, dropout=0.0, scaling=attention.scaling)
-            hidden = residual + attention.out_proj(out.reshape(*input_shape, -1).contiguous())
-            if not pre:
-                hidden = layer.self_attn_layer_norm(hidden)
-
-            residual = hidden
-            if pre:
-                hidden = layer.encoder_attn_layer_norm(hidden)
-            attention = layer.encoder_attn
-            query = attention.q_proj(hidden).view(shape).transpose(1, 2)
-            cross = cross_cache.layers[attention.layer_idx]
-            out, _ = attend(
-                attention, query, cross.keys, cross.values, self._encoder_mask, dropout=0.0, scaling=attention.scaling
-            )
-            hidden = residual + attention.out_proj(out.reshape(*input_shape, -1).contiguous())
-            if not pre:
-                hidden = layer.encoder_attn_layer_norm(hidden)
-
-            residual = hidden
-            if pre:
-                hidden = layer.final_layer_norm(hidden)
-            hidden = residual + layer.fc2(layer.activation_fn(layer.fc1(hidden)))
-            if not pre:
-                hidden = layer.final_layer_norm(hidden)
+            cross = layer.encoder_attn
+            hidden = _sublayer(hidden, layer.self_attn_layer_norm, pre, self._self_attention, layer.self_attn, step)
+            hidden = _sublayer(hidden, layer.encoder_attn_layer_norm, pre, self._cross_attention, cross, step)
+            hidden = _sublayer(hidden, layer.final_layer_norm, pre, _feed_forward, layer, step)
         if pre:
             hidden = decoder.layer_norm(hidden)
         model = self.model
