@@ -367,6 +367,15 @@ def _apply(patch: Patch, executed: str | None = None) -> None:
         return
     try:
         replacement = _load_factory(patch.factory)(func)
+    except ImportError as exc:
+        if exc.name and _initializing(exc.name):
+            # The factory imports a module that is half executed (it imported the target, whose import hook
+            # runs this): apply once that module has finished (_PatchOnImport, _ready).
+            _state.status[patch] = _waiting_on(exc.name)
+            return
+        _state.status[patch] = f"skipped: factory failed ({type(exc).__name__}: {exc})"
+        _problem(patch.feature, _state.status[patch])
+        return
     except Exception as exc:  # a broken factory must never break the user's program
         _state.status[patch] = f"skipped: factory failed ({type(exc).__name__}: {exc})"
         _problem(patch.feature, _state.status[patch])
@@ -391,7 +400,12 @@ def _ready(patch: Patch, imported: str) -> bool:
     """Whether ``patch`` can be applied now that module ``imported`` has been executed."""
     if patch.module == imported:
         return True
-    return imported in _helper_modules(patch) and patch.module in sys.modules and not _initializing(patch.module)
+    waits_for = imported in _helper_modules(patch) or _state.status.get(patch) == _waiting_on(imported)
+    return waits_for and patch.module in sys.modules and not _initializing(patch.module)
+
+
+def _waiting_on(module: str) -> str:
+    return f"pending: applied when {module} has been imported"
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

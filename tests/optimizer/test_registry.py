@@ -293,3 +293,17 @@ def test_the_registry_imports_no_framework_table():
     source = pathlib.Path(registry.__file__).read_text()
     assert "optimizer.transformers" not in source and "optimizer.fairseq" not in source
     assert {p.package for p in registry.declared_patches()} >= {"transformers", "fairseq"}
+
+
+def test_a_factory_importing_a_half_imported_module_is_applied_when_that_module_finishes():
+    """Importing fastgen's beam loop first imports Transformers' generation module from inside it; that
+    module's import hook applies the speculative patch, whose factory imports the half-executed loop."""
+    code = (
+        "import fastgen, fastgen.optimizer.transformers.beam_search\n"
+        "rows = [r for r in fastgen.status() if r.feature == 'speculative' and r.target.startswith('transformers')]\n"
+        "print(sorted({r.state for r in rows}))"
+    )
+    states = _python(code)
+    if "outside" in states or "not installed" in states:
+        pytest.skip(f"the speculative patches do not apply to this Transformers: {states}")
+    assert states == "['applied']"
