@@ -31,6 +31,7 @@ from transformers.masking_utils import create_bidirectional_mask, create_causal_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fastgen.models.growing_cache import GrowingLayer, grow_in_place, plain_layers
+from fastgen.models.hooks import hooked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,26 +75,6 @@ def _name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _has_hooks(module: torch.nn.Module) -> bool:
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or getattr(module, "_forward_hooks_with_kwargs", None)
-        or getattr(module, "_backward_hooks", None)
-    )
-
-
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as module_module
-
-    return bool(
-        module_module._global_forward_hooks
-        or module_module._global_forward_pre_hooks
-        or module_module._global_backward_hooks
-        or getattr(module_module, "_global_backward_pre_hooks", None)
-    )
-
-
 #: the Transformers releases whose decoder step this one reproduces (compared bit for bit in the tests);
 #: 5.23 and earlier build their masks and caches with other arguments
 TESTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))
@@ -125,7 +106,7 @@ def model_problem(model: Any) -> str | None:
                 return f"attention class {_name(attention)}"
             skipped.append(attention)
         skipped.append(layer)
-    if _global_hooks() or any(_has_hooks(m) for m in skipped):
+    if any(hooked(m) for m in skipped):
         return "hooks on a module whose forward the lean step skips"
     return None
 

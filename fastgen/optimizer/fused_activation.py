@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fastgen.models.hooks import hooked
 from fastgen.ops.int8_linear import GELU, RELU, SILU
 
 #: layer classes whose forward is ``hidden_states = self.activation_fn(self.fc1(hidden_states))``
@@ -69,7 +70,7 @@ def fusable_layers(model: torch.nn.Module, served: list[torch.nn.Module]) -> lis
             continue
         fc1, activation = getattr(layer, "fc1", None), getattr(layer, "activation_fn", None)
         code = activation_code(activation)
-        if fc1 is not None and id(fc1) in served_ids and code is not None and not _hooked(activation):
+        if fc1 is not None and id(fc1) in served_ids and code is not None and not hooked(activation):
             found.append((layer, code))
     return found
 
@@ -94,24 +95,13 @@ def remember_fused(output: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def _hooked(module: torch.nn.Module) -> bool:
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or torch.nn.modules.module._global_forward_hooks
-        or torch.nn.modules.module._global_forward_pre_hooks
-    )
-
-
 def may_fuse(fc1: torch.nn.Module, layer: torch.nn.Module | None = None) -> bool:
     """No hooks that must see upstream's ``fc1`` output or the layer's activation (its stand-in and the
     original it wraps)."""
-    if _hooked(fc1):
+    if hooked(fc1):
         return False
     activation = getattr(layer, "activation_fn", None) if layer is not None else None
-    if activation is not None and _hooked(activation):
+    if activation is not None and hooked(activation):
         return False
     original = getattr(activation, "original", None)
-    return not (isinstance(original, torch.nn.Module) and _hooked(original))
+    return not (isinstance(original, torch.nn.Module) and hooked(original))
