@@ -10,16 +10,17 @@
 //     (bias_last = 1: c = c + bias[n] at the end)
 //
 // Everything else — vector width, tiling, packing, threads — is free, so this kernel computes the same
-// chains with SIMD: up to 16 (AVX2: 8) rows, lanes run the rows side by side for one column n, each
-// lane its own sequential chain, a register tile holding kCols columns, w read in place (row-major
-// (N, K): a column's k run is contiguous, broadcast per step) — a decode step's product needs no copy;
-// more rows: lanes run consecutive columns of a panel of w packed k-major, x packed in row tiles
-// (the usual BLAS layout). Threads split columns or rows, never k. Measured on an Intel Xeon (Emerald
-// Rapids, AVX-512, one core, a loaded machine): 16 x 768 -> 3072 and the 16-row vocabulary projection
-// 1.1-1.4x MKL, 16 x 768 -> 768 about even; 1024-row products 0.5-0.7x MKL (there the calibration keeps
-// MKL). Nothing is assumed at run time: fastgen.ops.linear
-// keeps this kernel for a shape only where it returned torch.equal results to F.linear on the real
-// input, and is faster.
+// chains with SIMD. Up to 256 rows (AVX2: 128): lanes run rows side by side for one column n, each lane
+// its own sequential chain; a register tile holds 1-4 row vectors (balanced: 80 rows are two tiles of
+// 48) by up to 12 columns, and each weight element, read in place (row-major (N, K): a column's k run is
+// contiguous) and broadcast once, feeds every row vector of the tile — a decode step's product needs no
+// copy of the weight. More rows: lanes run consecutive columns of a panel of w packed k-major, x packed
+// in row tiles (the usual BLAS layout). Threads split columns or rows, never k. Measured on an Intel Xeon
+// (Emerald Rapids, AVX-512, one core): 16 to 64 rows of bart-base's 768 -> 3072 and 3072 -> 768
+// 1.2-1.5x MKL, 16 rows of 768 -> 768 and of a vocabulary projection ~1.2x, 64 rows of a 256-wide
+// model's products 0.6-0.9x MKL (the calibration keeps MKL there). Nothing is assumed at run time:
+// fastgen.ops.linear keeps this kernel for a shape only where it returned torch.equal results to F.linear
+// on the real input, and is faster.
 //
 // Arithmetic is done with FMA/add intrinsics (builtins the compiler cannot reassociate, whatever the
 // build's fast-math flags); the scalar path uses std::fma.
@@ -45,8 +46,7 @@ namespace {
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
-constexpr int kRows = 1;    // row vectors per tile
-constexpr int kCols = 12;  // 12 block sums + 12 totals + 1 input: 25 of 32 zmm registers
+constexpr int kTileCols[4] = {12, 12, 8, 6};  // R * cols sums + R inputs + 1 broadcast <= 32 zmm
 constexpr int kPanelRows = 8, kPanelVecs = 3;  // 24 block sums + 3 weights + 1 input: 28 of 32 zmm
 using V = __m512;
 inline V vzero() { return _mm512_setzero_ps(); }
@@ -57,8 +57,7 @@ inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;
-constexpr int kRows = 1;
-constexpr int kCols = 6;  // 6 + 6 + 1 of 16 ymm registers
+constexpr int kTileCols[4] = {12, 6, 4, 2};  // R * cols sums + R inputs + 1 broadcast <= 16 ymm
 constexpr int kPanelRows = 6, kPanelVecs = 2;  // 12 block sums + 2 weights + 1 input of 16 ymm
 using V = __m256;
 inline V vzero() { return _mm256_setzero_ps(); }
@@ -70,8 +69,7 @@ inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm256_fmadd_ps(a, _mm256_set1_ps(1.0f), b); }
 #else
 constexpr int kLanes = 1;
-constexpr int kRows = 1;
-constexpr int kCols = 4;
+constexpr int kTileCols[4] = {4, 4, 4, 4};
 constexpr int kPanelRows = 2, kPanelVecs = 4;
 using V = float;
 inline V vzero() { return 0.0f; }
@@ -84,14 +82,15 @@ inline V vadd(V a, V b) { return std::fma(a, 1.0f, b); }
 
 enum BiasAt : int64_t { kBiasFirst = 0, kBiasLast = 1 };
 
-// One tile: kLanes rows (xt: this tile's input, k-major, kLanes floats per k) by `cols` <= kCols
-// columns n0.. of w; writes the totals to out (cols x kLanes, column-major in lanes).
-// w(j, k) = w[j * col_stride + k * k_stride] (the weight in place: col_stride K, k_stride 1).
-template <int kC>
-void tile(const float* xt, const float* w, int64_t col_stride, int64_t k_stride, int64_t K, int64_t n0,
-          const float* bias, int64_t block, bool bias_last, float* out) {
-  constexpr int R = kRows;
-  V c[R][kC];
+// One tile: R * kLanes rows (xt: this tile's input, k-major, R * kLanes floats per k) by `cols` = kC
+// columns n0.. of the weight read in place (row-major (N, K): column j's k run is contiguous, one
+// broadcast per step). Registers hold the R x kC block sums; the running totals live in `out`
+// (kC x R * kLanes, column-major in lanes), touched once per k block, so every register but the
+// inputs and one broadcast goes to sums: with R row vectors each broadcast weight feeds R FMAs and
+// the loop is bound by the FMA units, not the loads.
+template <int R, int kC>
+void tile(const float* xt, const float* w, int64_t K, int64_t n0, const float* bias, int64_t block,
+          bool bias_last, float* out) {
   V s[R][kC];
   for (int64_t k0 = 0; k0 < K; k0 += block) {
     const int64_t k1 = std::min(K, k0 + block);
@@ -101,39 +100,49 @@ void tile(const float* xt, const float* w, int64_t col_stride, int64_t k_stride,
       V xv[R];
       for (int r = 0; r < R; ++r) xv[r] = vload(xt + (k * R + r) * kLanes);
       for (int j = 0; j < kC; ++j) {
-        const V wv = vset1(w[j * col_stride + k * k_stride]);
+        const V wv = vset1(w[j * K + k]);
         for (int r = 0; r < R; ++r) s[r][j] = vfma(xv[r], wv, s[r][j]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      if (k0 == 0) {
-        for (int j = 0; j < kC; ++j)
-          c[r][j] = (bias != nullptr && !bias_last) ? vadd(vset1(bias[n0 + j]), s[r][j]) : s[r][j];
-      } else {
-        for (int j = 0; j < kC; ++j) c[r][j] = vadd(c[r][j], s[r][j]);
+    for (int j = 0; j < kC; ++j) {
+      for (int r = 0; r < R; ++r) {
+        float* c = out + (j * R + r) * kLanes;
+        if (k0 != 0) {
+          vstore(c, vadd(vload(c), s[r][j]));
+        } else {
+          vstore(c, (bias != nullptr && !bias_last) ? vadd(vset1(bias[n0 + j]), s[r][j]) : s[r][j]);
+        }
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (K == 0) {
-      for (int j = 0; j < kC; ++j) c[r][j] = (bias != nullptr && !bias_last) ? vset1(bias[n0 + j]) : vzero();
+  for (int j = 0; j < kC; ++j) {
+    for (int r = 0; r < R; ++r) {
+      float* c = out + (j * R + r) * kLanes;
+      if (K == 0) vstore(c, (bias != nullptr && !bias_last) ? vset1(bias[n0 + j]) : vzero());
+      if (bias != nullptr && bias_last) vstore(c, vadd(vload(c), vset1(bias[n0 + j])));
     }
-    if (bias != nullptr && bias_last) {
-      for (int j = 0; j < kC; ++j) c[r][j] = vadd(c[r][j], vset1(bias[n0 + j]));
-    }
-    for (int j = 0; j < kC; ++j) vstore(out + (j * R + r) * kLanes, c[r][j]);
   }
 }
 
-using TileFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, bool,
-                        float*);
+using TileFn = void (*)(const float*, const float*, int64_t, int64_t, const float*, int64_t, bool, float*);
 
-template <int... kC>
+template <int R, int... kC>
 constexpr TileFn pick_tile(int cols, std::integer_sequence<int, kC...>) {
-  TileFn fns[] = {&tile<kC + 1>...};
+  TileFn fns[] = {&tile<R, kC + 1>...};
   return fns[cols - 1];
 }
 
+// columns per tile for R row vectors: R * cols sums + R inputs + 1 broadcast fit the registers
+constexpr int cols_for(int r) { return kTileCols[r - 1]; }
+
+TileFn tile_fn(int rows, int cols) {
+  switch (rows) {
+    case 1: return pick_tile<1>(cols, std::make_integer_sequence<int, cols_for(1)>{});
+    case 2: return pick_tile<2>(cols, std::make_integer_sequence<int, cols_for(2)>{});
+    case 3: return pick_tile<3>(cols, std::make_integer_sequence<int, cols_for(3)>{});
+    default: return pick_tile<4>(cols, std::make_integer_sequence<int, cols_for(4)>{});
+  }
+}
 
 // Many rows: SIMD lanes run kPanelVecs * kLanes consecutive columns n (a panel of the weight, packed
 // k-major), each x[m, k] is broadcast once for all of them, kR rows per register tile; one k block at a
@@ -141,6 +150,8 @@ constexpr TileFn pick_tile(int cols, std::integer_sequence<int, kC...>) {
 // BLAS, both operands are packed per call: the weight into panels, a chunk of rows of x per k block
 // into tiles (k-major), so the micro-kernel reads two sequential streams that stay in L1/L2.
 constexpr int kPanel = kPanelVecs * kLanes;  // columns per panel
+// more rows than this take the packed panels (the row-lane tiles read the weight once per tile of rows)
+constexpr int64_t kRowLaneMaxRows = 16 * kLanes;
 constexpr int64_t kChunkTiles = 8;            // row tiles per chunk of x packed at a time
 
 // x(r, k) = xa[k * kPanelRows + r]; w(k, j) = panel[k * kPanel + j]; k in [0, kb)
@@ -223,18 +234,13 @@ void chunk_panels(const float* xa, const float* wpk, const float* b, float* yp, 
   }
 }
 
-void panel_linear(const float* xp, const float* wp, const float* b, float* yp, int64_t M, int64_t K, int64_t N,
-                  int64_t block, bool bias_last) {
+// The weight (N, K) as panels of kPanel columns, k-major: panel p holds w[p * kPanel + j, k] at
+// [p][k][j] (zeros past N).
+void pack_panels(const float* wp, int64_t K, int64_t N, float* wpk) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  if (K == 0) {  // no products: the bias (or zeros)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) yp[m * N + n] = b != nullptr ? b[n] : 0.0f;
-    return;
-  }
-  std::vector<float> wpk(panels * K * kPanel);
   at::parallel_for(0, panels, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t p = q0; p < q1; ++p) {
-      float* panel = wpk.data() + p * K * kPanel;
+      float* panel = wpk + p * K * kPanel;
       const int64_t n0 = p * kPanel;
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
       for (int64_t k = 0; k < K; ++k) {
@@ -243,6 +249,16 @@ void panel_linear(const float* xp, const float* wp, const float* b, float* yp, i
       }
     }
   });
+}
+
+void panel_linear(const float* xp, const float* wpk, const float* b, float* yp, int64_t M, int64_t K, int64_t N,
+                  int64_t block, bool bias_last) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  if (K == 0) {  // no products: the bias (or zeros)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) yp[m * N + n] = b != nullptr ? b[n] : 0.0f;
+    return;
+  }
   const int64_t chunk = kPanelRows * kChunkTiles;
   const int64_t chunks = (M + chunk - 1) / chunk;
   const int64_t kmax = std::min(K, block);
@@ -254,7 +270,7 @@ void panel_linear(const float* xp, const float* wp, const float* b, float* yp, i
         for (int64_t k0 = 0; k0 < K; k0 += block) {
           const int64_t k1 = std::min(K, k0 + block);
           pack_rows(xp, K, m0, m1, k0, k1, xa.data());
-          chunk_panels(xa.data(), wpk.data(), b, yp, m0, m1, K, N, k0, k1, 0, panels, bias_last);
+          chunk_panels(xa.data(), wpk, b, yp, m0, m1, K, N, k0, k1, 0, panels, bias_last);
         }
       }
     });
@@ -267,7 +283,7 @@ void panel_linear(const float* xp, const float* wp, const float* b, float* yp, i
       const int64_t k1 = std::min(K, k0 + block);
       pack_rows(xp, K, m0, m1, k0, k1, xa.data());
       at::parallel_for(0, panels, 1, [&](int64_t q0, int64_t q1) {
-        chunk_panels(xa.data(), wpk.data(), b, yp, m0, m1, K, N, k0, k1, q0, q1, bias_last);
+        chunk_panels(xa.data(), wpk, b, yp, m0, m1, K, N, k0, k1, q0, q1, bias_last);
       });
     }
   }
@@ -293,14 +309,18 @@ at::Tensor ordered_linear(const at::Tensor& x, const at::Tensor& w, const std::o
   }
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  if (M > kLanes * kRows) {
-    panel_linear(x.data_ptr<float>(), w.data_ptr<float>(), b, y.data_ptr<float>(), M, K, N, block,
-                 bias_at == kBiasLast);
+  if (M > kRowLaneMaxRows) {
+    std::vector<float> wpk(((N + kPanel - 1) / kPanel) * K * kPanel);
+    pack_panels(w.data_ptr<float>(), K, N, wpk.data());
+    panel_linear(x.data_ptr<float>(), wpk.data(), b, y.data_ptr<float>(), M, K, N, block, bias_at == kBiasLast);
     return y;
   }
-  constexpr int64_t kTile = kRows * kLanes;  // rows per tile
-  const int64_t tiles = (M + kTile - 1) / kTile;
-  // the input, k-major per tile of kTile rows (rows past M are zeros and never stored)
+  // rows in tiles of up to 4 row vectors, balanced (80 rows: two tiles of 3 vectors, not 4 + 1)
+  const int64_t vecs = (M + kLanes - 1) / kLanes;
+  const int64_t tiles = (vecs + 3) / 4;
+  const int R = static_cast<int>((vecs + tiles - 1) / tiles);
+  const int64_t kTile = R * kLanes;  // rows per tile
+  // the input, k-major per tile (rows past M are zeros and never stored)
   auto xt = at::zeros({tiles, K, kTile}, x.options());
   const float* xp = x.data_ptr<float>();
   float* xtp = xt.data_ptr<float>();
@@ -316,17 +336,17 @@ at::Tensor ordered_linear(const at::Tensor& x, const at::Tensor& w, const std::o
   });
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t groups = (N + kCols - 1) / kCols;
+  const int kC = cols_for(R);
+  const int64_t groups = (N + kC - 1) / kC;
   const bool last = bias_at == kBiasLast;
-  // work items: (column group, row tile): one tile here (more rows take panel_linear); w read in place
+  // work items (column group, row tile), tiles innermost: a group's weight rows stay in cache across tiles
   at::parallel_for(0, groups * tiles, 1, [&](int64_t i0, int64_t i1) {
-    alignas(64) float out[kCols * kTile];
+    alignas(64) float out[4 * 12 * kLanes];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = i / tiles, t = i % tiles;
-      const int64_t n0 = g * kCols;
-      const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
-      pick_tile(cols, std::make_integer_sequence<int, kCols>{})(xtp + t * K * kTile, wp + n0 * K, K, 1, K, n0, b,
-                                                                 block, last, out);
+      const int64_t n0 = g * kC;
+      const int cols = static_cast<int>(std::min<int64_t>(kC, N - n0));
+      tile_fn(R, cols)(xtp + t * K * kTile, wp + n0 * K, K, n0, b, block, last, out);
       const int64_t rows = std::min<int64_t>(kTile, M - t * kTile);
       for (int64_t r = 0; r < rows; ++r) {
         float* dst = yp + (t * kTile + r) * N + n0;

@@ -69,6 +69,20 @@ def test_kernel_computes_the_order_it_is_given(m, k, n, block, bias, seed):
 
 
 @needs_kernels
+@pytest.mark.parametrize("m", [17, 48, 64, 80, 200, 257, 300])
+@pytest.mark.parametrize("bias", [None, "first", "last"])
+def test_every_row_tiling_computes_the_order(m, bias):
+    """Row counts that take each tiling: 2-4 row vectors per tile, several tiles, the packed panels (> 256)."""
+    generator = torch.Generator().manual_seed(m)
+    k, n, block = 70, 29, 32
+    x = torch.randn(m, k, generator=generator)
+    w = torch.randn(n, k, generator=generator) * 0.1
+    b = None if bias is None else torch.randn(n, generator=generator)
+    got = torch.ops.fastgen_cpu.ordered_linear(x, w, b, block, int(bias == "last"))
+    assert torch.equal(got, emulate(x, w, b, block, bias == "last"))
+
+
+@needs_kernels
 def test_kernel_rejects_bad_arguments():
     x, w = torch.randn(3, 8), torch.randn(5, 8)
     with pytest.raises(RuntimeError, match="inner dimension"):
