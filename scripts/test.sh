@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Ray Serve, for the deployment's test (tests/serve/test_ray_serve.py), in this environment only: the range
+# of pyproject.toml's `ray` extra (about 20 s to install; the other environments skip that test).
+.venv/bin/python -m pip install -q "ray[serve]>=2.60,<3"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 bash scripts/check_nvcc.sh

@@ -79,13 +79,11 @@ def load(path: str, tokenizer_path: str | None, device: str, dtype: str) -> tupl
     return model, tokenizer
 
 
-def cli_main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
+def build_app(args: argparse.Namespace) -> tuple[Any, str]:
+    """The app ``fastgen-serve``'s arguments describe, and the model's name: torch threads and fastgen's
+    features set, the model loaded. Shared by the command line and the Ray Serve deployment."""
     from fastgen.serve.app import create_app
 
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     select_features(args.mode, args.features)
@@ -101,6 +99,15 @@ def cli_main(argv: list[str] | None = None) -> None:
         max_new_tokens=args.max_new_tokens,
         max_inputs=args.max_inputs,
     )
+    return app, name
+
+
+def cli_main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, name = build_app(args)
     log.info("fastgen-serve: %s on http://%s:%d (mode %s)", name, args.host, args.port, args.mode)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=None)
 
