@@ -35,12 +35,19 @@ NaN or an infinity there; either way the row is lost), and the other rows are un
   weight scales applied by oneDNN and the row scales and zero points after: the reference's codes and
   integer sums, so it differs from it by float rounding only (and a code where ``x * (1 / scale)`` and
   ``x / scale`` round apart).
+* ``vnni`` (fastgen's CPU kernels built for AVX-512 VNNI): ``fastgen_cpu::int8_linear_vnni`` quantizes the rows,
+  multiplies with ``vpdpbusd`` on a weight packed once for it, and scales, in one call: the oneDNN path's
+  codes, sums and scaling order, so the same bits (tested). oneDNN's call costs ~30 us however small the
+  product (Intel Xeon, Emerald Rapids, AMX); this op ~13 us at 16 x 256 -> 256. It loses where the product is
+  large (AMX's tiles outrun VNNI: 0.5-0.8x oneDNN on bart-base's 16-row products), so ``auto`` times both
+  on a weight's first product and keeps the faster (:attr:`Int8Weight.choice_ms`).
 * ``int_mm``: ``torch._int_mm`` (int8 x int8 -> int32; codes shifted by 128, the shift added back in int32)
   with the scaling in torch ops: the reference's arithmetic exactly, slower (measured), kept for torch
   builds without the quantized engine.
 
 Where both fbgemm and oneDNN can run, each weight takes the faster for the products it serves, decided
-at its first product (:func:`choose_kind`). With fastgen's CPU kernels (the row quantization in one pass,
+at its first product (:func:`choose_kind`; then oneDNN against the ``vnni`` op, timed, where that runs).
+With fastgen's CPU kernels (the row quantization in one pass,
 the row scales and bias in another: :mod:`fastgen.ops.cpu_kernels`) that is oneDNN for every product
 (0.98-1.36x fbgemm from 16 x 768 x 768 to the 16-row LM head, 1.12-1.27x at 64 rows, AMD EPYC with
 AVX-512 VNNI, 1 and 2 threads); without them, torch's seven passes around oneDNN's product made it lose on
@@ -55,6 +62,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -105,17 +113,31 @@ def _has_onednn() -> bool:
         return False
 
 
+def has_vnni_kernel() -> bool:
+    """fastgen's fused VNNI op (``fastgen_cpu::int8_linear_vnni``) runs natively here: an AVX-512 VNNI CPU,
+    the CPU kernels built for it, the asymmetric grid (the only one the op computes)."""
+    if GRID == "symmetric" or "avx512_vnni" not in cpu_flags() or not cpu_kernels.available():
+        return False
+    native = getattr(torch.ops.fastgen_cpu, "int8_vnni_native", None)
+    return native is not None and bool(native())
+
+
 def backend() -> str:
-    """The backend this process uses (see the module docstring): ``auto`` (fbgemm or oneDNN per weight),
-    ``fbgemm``, ``onednn`` or ``int_mm``."""
+    """The backend this process uses (see the module docstring): ``auto`` (per weight, measured), ``fbgemm``,
+    ``onednn``, ``vnni`` or ``int_mm``."""
     forced = os.environ.get(BACKEND_ENV)
     available = {"fbgemm": _has_fbgemm(), "onednn": _has_onednn(), "int_mm": True}
+    if forced == "vnni":
+        available["vnni"] = has_vnni_kernel()
     if available.get(forced):
         return forced
     if _has_fbgemm():
         return "auto" if _has_onednn() else "fbgemm"
     return "onednn" if _has_onednn() else "int_mm"
 
+
+#: Timed rounds of each backend when a weight's first product chooses between oneDNN and the VNNI op.
+VNNI_ROUNDS = 3
 
 #: A product with at least this many outputs (rows x out features) goes to oneDNN under ``auto``.
 ONEDNN_MIN_OUTPUTS = 1 << 18
@@ -261,6 +283,7 @@ class Int8Weight:
         # a packed layout holds about as much as the codes; scales and the two sums: 3 floats per output
         self.nbytes = codes.numel() + 3 * scale.numel() * scale.element_size()
         self.kind = kind
+        self.choice_ms: dict[str, float] | None = None  # the first product's timings, where it chose
         if kind != "auto":
             self._pack(kind, None)
 
@@ -279,6 +302,9 @@ class Int8Weight:
             self.packed = torch.ops.onednn.qlinear_prepack(codes, None if rows is None else [rows, codes.shape[1]])
             self.scale = scale
             self._zero_points = torch.zeros(scale.shape, dtype=torch.long)
+        elif kind == "vnni":
+            self.packed = torch.ops.fastgen_cpu.pack_int8_vnni(codes)
+            self.scale = scale
         elif kind == "int_mm":
             self.packed = codes.t().contiguous()  # (K, N) for torch._int_mm
             self.scale = scale
@@ -293,7 +319,11 @@ class Int8Weight:
         if self._codes is not None:
             with self._lock:
                 if self._codes is not None:
-                    self._pack(choose_kind(x2.shape[0], self.out_features), x2.shape[0])
+                    self._first_product(x2, bias, activation)
+        if self.kind == "vnni":
+            return torch.ops.fastgen_cpu.int8_linear_vnni(
+                x2, self.packed, self.out_features, self.scale, self.col_sums, bias, activation
+            )
         fused = self.kind != "int_mm" and cpu_kernels.available()
         if GRID != "symmetric" and self.kind != "fbgemm":
             return self._asymmetric(x2, bias, activation, fused)
@@ -304,6 +334,34 @@ class Int8Weight:
         x2, row_max, lost = _finite_rows(x2, _row_max(x2))  # fbgemm's own range check refuses a NaN
         y = self._torch_ops(x2, row_max, bias, activation, fused)
         return y if lost is None else y.masked_fill_(lost, float("nan"))
+
+    def _first_product(self, x2: torch.Tensor, bias: torch.Tensor | None, activation: int) -> None:
+        """Pack for ``auto``'s backend at the first product; where both oneDNN and fastgen's VNNI op can run,
+        time both on this input (alternating rounds) and keep the faster (module docstring), then drop the
+        codes. Both give the same bits (same codes, sums and scaling order), so the choice moves no result."""
+        kind = choose_kind(x2.shape[0], self.out_features)
+        if kind != "onednn" or not has_vnni_kernel():
+            self._pack(kind, x2.shape[0])
+            self._codes = None
+            return
+        codes = self._codes
+        self._pack("vnni", None)
+        vnni, self._codes = self.packed, codes
+        self._pack("onednn", x2.shape[0])
+        times: dict[str, list[float]] = {"vnni": [], "onednn": []}
+        for _ in range(VNNI_ROUNDS):
+            for kind in ("vnni", "onednn"):
+                start = time.perf_counter()
+                if kind == "vnni":
+                    op = torch.ops.fastgen_cpu.int8_linear_vnni
+                    op(x2, vnni, self.out_features, self.scale, self.col_sums, bias, activation)
+                else:
+                    self._asymmetric(x2, bias, activation, True)
+                times[kind].append(time.perf_counter() - start)
+        if sorted(times["vnni"])[VNNI_ROUNDS // 2] < sorted(times["onednn"])[VNNI_ROUNDS // 2]:
+            self.kind, self.packed = "vnni", vnni
+        self.choice_ms = {kind: sorted(t)[VNNI_ROUNDS // 2] * 1e3 for kind, t in times.items()}
+        self._codes = None
 
     def _torch_ops(
         self, x2: torch.Tensor, row_max: torch.Tensor, bias: torch.Tensor | None, activation: int, fused: bool
