@@ -68,8 +68,11 @@ inline void quantize_row_zp(const float* row, int64_t K, uint8_t* out, float* sc
   }
 }
 
+// Not inlined: every caller (oneDNN's scaling pass, the VNNI and AMX ops) runs this one compiled copy, so the
+// backends' outputs agree bit for bit (inlined, each call site vectorized GELU its own way: 1-ulp differences).
 template <int64_t kAct>
-void shift_scale_row(float* row, int64_t N, float s, float z, const float* c, const float* b) {
+__attribute__((noinline)) void shift_scale_row(float* row, int64_t N, float s, float z, const float* c,
+                                               const float* b) {
   if (b != nullptr) {
 #pragma omp simd
     for (int64_t n = 0; n < N; ++n) row[n] = activate<kAct>((row[n] - z * c[n]) * s + b[n]);

@@ -30,8 +30,13 @@
 #include "int8_rows.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
 #define FASTGEN_VNNI 1
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -41,12 +46,16 @@ using namespace fastgen_cpu;
 constexpr int kPanel = 16;     // outputs per panel (int32 lanes of a zmm register)
 constexpr int kTileRows = 8;   // rows per register tile
 constexpr int kTilePanels = 3; // panels per register tile: 8 x 3 sums + 3 weights + 1 input of 32 zmm
+constexpr int64_t kBlockQuads = 16;  // groups of four k per 64-byte row of an AMX tile
+
+// groups of four k in a packed panel: padded to whole AMX k blocks (zeros)
+inline int64_t padded_quads(int64_t K) { return ((K + 3) / 4 + kBlockQuads - 1) / kBlockQuads * kBlockQuads; }
 
 at::Tensor pack_int8_vnni(const at::Tensor& codes) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
               "pack_int8_vnni: a contiguous 2-D int8 CPU tensor of weight codes");
   const int64_t N = codes.size(0), K = codes.size(1);
-  const int64_t panels = (N + kPanel - 1) / kPanel, quads = (K + 3) / 4;
+  const int64_t panels = (N + kPanel - 1) / kPanel, quads = padded_quads(K);
   auto packed = at::zeros({panels, quads, kPanel, 4}, codes.options());
   const int8_t* src = codes.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
@@ -60,14 +69,14 @@ at::Tensor pack_int8_vnni(const at::Tensor& codes) {
 // acc (rows x panels * 16 int32) = codes rows [m0, m0 + rows) against panels [p0, p0 + panels); codes rows
 // are `stride` bytes apart (a multiple of 4, zero-padded past K)
 template <int R, int C>
-void tile(const uint8_t* xq, int64_t stride, const int8_t* w, int64_t quads, int32_t* acc) {
+void tile(const uint8_t* xq, int64_t stride, const int8_t* w, int64_t panel_quads, int64_t quads, int32_t* acc) {
 #if defined(FASTGEN_VNNI)
   __m512i s[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) s[r][c] = _mm512_setzero_si512();
   for (int64_t q = 0; q < quads; ++q) {
     __m512i wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + (c * quads + q) * kPanel * 4);
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + (c * panel_quads + q) * kPanel * 4);
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, xq + r * stride + q * 4, 4);
@@ -84,13 +93,13 @@ void tile(const uint8_t* xq, int64_t stride, const int8_t* w, int64_t quads, int
         int32_t sum = 0;
         for (int64_t q = 0; q < quads; ++q)
           for (int t = 0; t < 4; ++t)
-            sum += int32_t{xq[r * stride + q * 4 + t]} * int32_t{w[((c * quads + q) * kPanel + j) * 4 + t]};
+            sum += int32_t{xq[r * stride + q * 4 + t]} * int32_t{w[((c * panel_quads + q) * kPanel + j) * 4 + t]};
         acc[(r * C + c) * kPanel + j] = sum;
       }
 #endif
 }
 
-using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, int32_t*);
+using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*);
 
 template <int R, int... kC>
 constexpr TileFn pick_cols(int panels, std::integer_sequence<int, kC...>) {
@@ -111,18 +120,121 @@ void finish_row(const int32_t* acc, float* y, int64_t cols, const float* scale_w
   shift_scale_row<kAct>(y, cols, s, z, col_sums, b);
 }
 
-at::Tensor int8_linear_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& scale_w,
-                            const at::Tensor& col_sums, const std::optional<at::Tensor>& bias, int64_t activation) {
+#if defined(__x86_64__) && defined(__GNUC__)
+// AMX: tiles of 16 rows x 64 bytes. C += A . B with A 16 rows x 64 u8 codes (k), B 16 groups of four k x 16
+// outputs (a packed panel's 16 quads: 64 bytes each, contiguous), C 16 x 16 int32. Two A and two B tiles
+// per step feed four C tiles (32 rows x 32 outputs).
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the AMX tile state only on request (once per process); false where the CPU or kernel lacks it
+bool amx_permitted() {
+  static const bool permitted = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return false;  // AMX-TILE, AMX-INT8
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return permitted;
+}
+
+// rows [m0, m0 + 32) of the codes (padded to whole 32-row blocks) against panels p0, p0 + 1 (p0 + 1 < panels:
+// `two`); acc: 32 x 32 int32
+__attribute__((target("amx-tile,amx-int8"))) void amx_block(const uint8_t* xq, int64_t stride, const int8_t* w0,
+                                                             const int8_t* w1, int64_t blocks, bool two_rows,
+                                                             bool two, int32_t* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    _tile_loadd(4, xq + kb * 64, stride);
+    _tile_loadd(6, w0 + kb * kBlockQuads * kPanel * 4, kPanel * 4);
+    _tile_dpbusd(0, 4, 6);
+    if (two) {
+      _tile_loadd(7, w1 + kb * kBlockQuads * kPanel * 4, kPanel * 4);
+      _tile_dpbusd(1, 4, 7);
+    }
+    if (two_rows) {
+      _tile_loadd(5, xq + 16 * stride + kb * 64, stride);
+      _tile_dpbusd(2, 5, 6);
+      if (two) _tile_dpbusd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, 32 * 4);
+  _tile_stored(1, acc + 16, 32 * 4);
+  _tile_stored(2, acc + 16 * 32, 32 * 4);
+  _tile_stored(3, acc + 16 * 32 + 16, 32 * 4);
+}
+
+constexpr TileConfig tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  return config;
+}
+
+// in memory, not built on the stack at the call: ldtilecfg reads 64 bytes the compiler does not see it read
+// (GCC 12 dropped the stores of a stack copy in one build: a #GP, SIGSEGV)
+alignas(64) constexpr TileConfig kTileConfig = tile_config();
+
+__attribute__((target("amx-tile,amx-int8"))) void amx_begin() { _tile_loadconfig(&kTileConfig); }
+
+__attribute__((target("amx-tile,amx-int8"))) void amx_end() { _tile_release(); }
+#else
+bool amx_permitted() { return false; }
+#endif
+
+template <int64_t kAct>
+void finish_rows(const int32_t* acc, int64_t acc_stride, int rows, int64_t m0, float* yp, int64_t n, int64_t n0,
+                 int64_t cols, const float* sw, const float* row_scale, const float* row_zero, const float* cs,
+                 const float* b) {
+  for (int r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    finish_row<kAct>(acc + r * acc_stride, yp + m * n + n0, cols, sw + n0, row_scale[m], row_zero[m], cs + n0,
+                     b != nullptr ? b + n0 : nullptr);
+  }
+}
+
+void finish(int64_t activation, const int32_t* acc, int64_t acc_stride, int rows, int64_t m0, float* yp, int64_t n,
+            int64_t n0, int64_t cols, const float* sw, const float* row_scale, const float* row_zero, const float* cs,
+            const float* b) {
+  switch (activation) {
+    case kGelu:
+      return finish_rows<kGelu>(acc, acc_stride, rows, m0, yp, n, n0, cols, sw, row_scale, row_zero, cs, b);
+    case kRelu:
+      return finish_rows<kRelu>(acc, acc_stride, rows, m0, yp, n, n0, cols, sw, row_scale, row_zero, cs, b);
+    case kSilu:
+      return finish_rows<kSilu>(acc, acc_stride, rows, m0, yp, n, n0, cols, sw, row_scale, row_zero, cs, b);
+    default:
+      return finish_rows<kNone>(acc, acc_stride, rows, m0, yp, n, n0, cols, sw, row_scale, row_zero, cs, b);
+  }
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& scale_w,
+                       const at::Tensor& col_sums, const std::optional<at::Tensor>& bias, int64_t activation,
+                       bool amx) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "int8_linear_vnni: x must be a contiguous 2-D float32 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1), quads = (K + 3) / 4, panels = (n + kPanel - 1) / kPanel;
+  const int64_t panel_quads = padded_quads(K);
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.is_contiguous() &&
-                  packed.size(0) == panels && packed.size(1) == quads && packed.size(2) == kPanel && packed.size(3) == 4,
+                  packed.size(0) == panels && packed.size(1) == panel_quads && packed.size(2) == kPanel &&
+                  packed.size(3) == 4,
               "int8_linear_vnni: packed must come from pack_int8_vnni for an (n, K) weight");
   TORCH_CHECK(scale_w.scalar_type() == at::kFloat && scale_w.numel() == n && scale_w.is_contiguous() &&
                   col_sums.scalar_type() == at::kFloat && col_sums.numel() == n && col_sums.is_contiguous(),
               "int8_linear_vnni: one contiguous float32 scale and code sum per output");
   TORCH_CHECK(activation >= kNone && activation <= kSilu, "int8_linear_vnni: unknown activation ", activation);
+  TORCH_CHECK(!amx || amx_permitted(), "int8_linear_amx: this CPU or kernel gives no AMX");
   const float* b = nullptr;
   at::Tensor dense_bias;
   if (bias.has_value()) {
@@ -133,9 +245,10 @@ at::Tensor int8_linear_vnni(const at::Tensor& x, const at::Tensor& packed, int64
   }
   auto y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
-  // the activation codes, rows padded to whole groups of four k (zeros), and each row's grid
-  const int64_t stride = quads * 4;
-  auto codes = at::zeros({M, stride}, x.options().dtype(at::kByte));
+  // the activation codes, each row padded with zeros to whole 64-byte k blocks, rows to whole 32-row blocks
+  // (AMX reads them), and each row's grid
+  const int64_t stride = panel_quads * 4, padded_rows = (M + 31) / 32 * 32;
+  auto codes = at::zeros({padded_rows, stride}, x.options().dtype(at::kByte));
   auto grid = at::empty({2, M}, x.options());
   const float* xp = x.data_ptr<float>();
   uint8_t* xq = codes.data_ptr<uint8_t>();
@@ -148,6 +261,28 @@ at::Tensor int8_linear_vnni(const at::Tensor& x, const at::Tensor& packed, int64
   const float* sw = scale_w.data_ptr<float>();
   const float* cs = col_sums.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const int64_t panel_bytes = panel_quads * kPanel * 4;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (amx) {  // threads over pairs of panels; each thread configures its own tiles
+    at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
+      alignas(64) int32_t acc[32 * 32];
+      amx_begin();
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t p0 = 2 * q, n0 = p0 * kPanel;
+        const bool two = p0 + 1 < panels;
+        const int64_t cols = std::min<int64_t>(2 * kPanel, n - n0);
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {
+          const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
+          amx_block(xq + m0 * stride, stride, wp + p0 * panel_bytes, wp + (p0 + 1) * panel_bytes * two,
+                    panel_quads / kBlockQuads, rows > 16, two, acc);
+          finish(activation, acc, 32, rows, m0, yp, n, n0, cols, sw, row_scale, row_zero, cs, b);
+        }
+      }
+      amx_end();
+    });
+    return y;
+  }
+#endif
   const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
   // threads over groups of panels; each group's weight (3 panels x K codes) stays in cache across row tiles
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -160,31 +295,26 @@ at::Tensor int8_linear_vnni(const at::Tensor& x, const at::Tensor& packed, int64
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
         pick_tile(rows, tp, std::make_integer_sequence<int, kTileRows>{})(xq + m0 * stride, stride,
-                                                                           wp + p0 * quads * kPanel * 4, quads, acc);
-        for (int r = 0; r < rows; ++r) {
-          const int64_t m = m0 + r;
-          const int32_t* row_acc = acc + r * tp * kPanel;
-          float* out = yp + m * n + n0;
-          const float* bias_part = b != nullptr ? b + n0 : nullptr;
-          switch (activation) {
-            case kGelu:
-              finish_row<kGelu>(row_acc, out, cols, sw + n0, row_scale[m], row_zero[m], cs + n0, bias_part);
-              break;
-            case kRelu:
-              finish_row<kRelu>(row_acc, out, cols, sw + n0, row_scale[m], row_zero[m], cs + n0, bias_part);
-              break;
-            case kSilu:
-              finish_row<kSilu>(row_acc, out, cols, sw + n0, row_scale[m], row_zero[m], cs + n0, bias_part);
-              break;
-            default:
-              finish_row<kNone>(row_acc, out, cols, sw + n0, row_scale[m], row_zero[m], cs + n0, bias_part);
-          }
-        }
+                                                                           wp + p0 * panel_bytes, panel_quads,
+                                                                           quads, acc);
+        finish(activation, acc, tp * kPanel, rows, m0, yp, n, n0, cols, sw, row_scale, row_zero, cs, b);
       }
     }
   });
   return y;
 }
+
+at::Tensor int8_linear_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& scale_w,
+                            const at::Tensor& col_sums, const std::optional<at::Tensor>& bias, int64_t activation) {
+  return int8_linear(x, packed, n, scale_w, col_sums, bias, activation, false);
+}
+
+at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& scale_w,
+                           const at::Tensor& col_sums, const std::optional<at::Tensor>& bias, int64_t activation) {
+  return int8_linear(x, packed, n, scale_w, col_sums, bias, activation, true);
+}
+
+bool int8_amx_ready() { return amx_permitted(); }
 
 bool int8_vnni_native() {
 #if defined(FASTGEN_VNNI)
@@ -201,10 +331,15 @@ TORCH_LIBRARY_FRAGMENT(fastgen_cpu, lib) {
   lib.def(
       "int8_linear_vnni(Tensor x, Tensor packed, int n, Tensor scale_w, Tensor col_sums, Tensor? bias, "
       "int activation) -> Tensor");
+  lib.def(
+      "int8_linear_amx(Tensor x, Tensor packed, int n, Tensor scale_w, Tensor col_sums, Tensor? bias, "
+      "int activation) -> Tensor");
   lib.def("int8_vnni_native() -> bool", &int8_vnni_native);
+  lib.def("int8_amx_ready() -> bool", &int8_amx_ready);
 }
 
 TORCH_LIBRARY_IMPL(fastgen_cpu, CPU, lib) {
   lib.impl("pack_int8_vnni", &pack_int8_vnni);
   lib.impl("int8_linear_vnni", &int8_linear_vnni);
+  lib.impl("int8_linear_amx", &int8_linear_amx);
 }

@@ -35,18 +35,22 @@ NaN or an infinity there; either way the row is lost), and the other rows are un
   weight scales applied by oneDNN and the row scales and zero points after: the reference's codes and
   integer sums, so it differs from it by float rounding only (and a code where ``x * (1 / scale)`` and
   ``x / scale`` round apart).
-* ``vnni`` (fastgen's CPU kernels built for AVX-512 VNNI): ``fastgen_cpu::int8_linear_vnni`` quantizes the rows,
-  multiplies with ``vpdpbusd`` on a weight packed once for it, and scales, in one call: the oneDNN path's
-  codes, sums and scaling order, so the same bits (tested). oneDNN's call costs ~30 us however small the
-  product (Intel Xeon, Emerald Rapids, AMX); this op ~13 us at 16 x 256 -> 256. It loses where the product is
-  large (AMX's tiles outrun VNNI: 0.5-0.8x oneDNN on bart-base's 16-row products), so ``auto`` times both
-  on a weight's first product and keeps the faster (:attr:`Int8Weight.choice_ms`).
+* ``vnni`` and ``amx`` (fastgen's CPU kernels, AVX-512 VNNI; AMX-INT8 tiles where the CPU and the OS give them):
+  ``fastgen_cpu::int8_linear_vnni`` / ``int8_linear_amx`` quantize the rows, multiply (``vpdpbusd`` in registers,
+  or ``tdpbusd`` on 16 x 64-byte tiles) with a weight packed once for both, and scale, in one call: the oneDNN
+  path's codes, sums and scaling order, so the same bits (tested; the scaling pass is one compiled copy shared
+  by all three). oneDNN's call costs ~30 us however small the product (Intel Xeon, Emerald Rapids, AMX):
+  at 16 x 256 -> 256 it takes 42 us, the VNNI op 13, the AMX op 9; at bart-base's 16-row products the AMX op
+  takes 20 / 111 / 126 us for 768 -> 768 / 3072 / 768 <- 3072 against oneDNN's 62 / 183 / 178 and the
+  vocabulary projection 1.95 ms against 2.35; oneDNN keeps the encoder's 1024-row 3072-wide products (AMX
+  op 0.7-1.0x). VNNI alone loses on larger products (0.5-0.8x oneDNN). So ``auto`` times the candidates on a
+  weight's first product and keeps the fastest (:attr:`Int8Weight.choice_ms`).
 * ``int_mm``: ``torch._int_mm`` (int8 x int8 -> int32; codes shifted by 128, the shift added back in int32)
   with the scaling in torch ops: the reference's arithmetic exactly, slower (measured), kept for torch
   builds without the quantized engine.
 
 Where both fbgemm and oneDNN can run, each weight takes the faster for the products it serves, decided
-at its first product (:func:`choose_kind`; then oneDNN against the ``vnni`` op, timed, where that runs).
+at its first product (:func:`choose_kind`; then oneDNN against fastgen's ops, timed, where they run).
 With fastgen's CPU kernels (the row quantization in one pass,
 the row scales and bias in another: :mod:`fastgen.ops.cpu_kernels`) that is oneDNN for every product
 (0.98-1.36x fbgemm from 16 x 768 x 768 to the 16-row LM head, 1.12-1.27x at 64 rows, AMD EPYC with
@@ -122,6 +126,19 @@ def has_vnni_kernel() -> bool:
     return native is not None and bool(native())
 
 
+def has_amx_kernel() -> bool:
+    """fastgen's AMX form of the op (``fastgen_cpu::int8_linear_amx``, same packing and bits) runs here: the VNNI
+    op's conditions, AMX-INT8 in the CPU's flags, and the OS granted the tile state."""
+    if not has_vnni_kernel() or "amx_int8" not in cpu_flags():
+        return False
+    ready = getattr(torch.ops.fastgen_cpu, "int8_amx_ready", None)
+    return ready is not None and bool(ready())
+
+
+#: fastgen's own int8 products by kind: the op that computes each (same arguments, same packing, same bits)
+OWN_KINDS = {"vnni": "int8_linear_vnni", "amx": "int8_linear_amx"}
+
+
 def backend() -> str:
     """The backend this process uses (see the module docstring): ``auto`` (per weight, measured), ``fbgemm``,
     ``onednn``, ``vnni`` or ``int_mm``."""
@@ -129,6 +146,8 @@ def backend() -> str:
     available = {"fbgemm": _has_fbgemm(), "onednn": _has_onednn(), "int_mm": True}
     if forced == "vnni":
         available["vnni"] = has_vnni_kernel()
+    if forced == "amx":
+        available["amx"] = has_amx_kernel()
     if available.get(forced):
         return forced
     if _has_fbgemm():
@@ -302,7 +321,7 @@ class Int8Weight:
             self.packed = torch.ops.onednn.qlinear_prepack(codes, None if rows is None else [rows, codes.shape[1]])
             self.scale = scale
             self._zero_points = torch.zeros(scale.shape, dtype=torch.long)
-        elif kind == "vnni":
+        elif kind in OWN_KINDS:
             self.packed = torch.ops.fastgen_cpu.pack_int8_vnni(codes)
             self.scale = scale
         elif kind == "int_mm":
@@ -320,10 +339,9 @@ class Int8Weight:
             with self._lock:
                 if self._codes is not None:
                     self._first_product(x2, bias, activation)
-        if self.kind == "vnni":
-            return torch.ops.fastgen_cpu.int8_linear_vnni(
-                x2, self.packed, self.out_features, self.scale, self.col_sums, bias, activation
-            )
+        if self.kind in OWN_KINDS:
+            op = getattr(torch.ops.fastgen_cpu, OWN_KINDS[self.kind])
+            return op(x2, self.packed, self.out_features, self.scale, self.col_sums, bias, activation)
         fused = self.kind != "int_mm" and cpu_kernels.available()
         if GRID != "symmetric" and self.kind != "fbgemm":
             return self._asymmetric(x2, bias, activation, fused)
@@ -336,31 +354,35 @@ class Int8Weight:
         return y if lost is None else y.masked_fill_(lost, float("nan"))
 
     def _first_product(self, x2: torch.Tensor, bias: torch.Tensor | None, activation: int) -> None:
-        """Pack for ``auto``'s backend at the first product; where both oneDNN and fastgen's VNNI op can run,
-        time both on this input (alternating rounds) and keep the faster (module docstring), then drop the
-        codes. Both give the same bits (same codes, sums and scaling order), so the choice moves no result."""
+        """Pack for ``auto``'s backend at the first product; where fastgen's own ops (VNNI, AMX) can run too, time
+        them and oneDNN on this input (alternating rounds) and keep the fastest (module docstring), then drop
+        the codes. All give the same bits (same codes, sums and scaling order), so the choice moves no result."""
         kind = choose_kind(x2.shape[0], self.out_features)
-        if kind != "onednn" or not has_vnni_kernel():
+        own = [k for k, ready in (("vnni", has_vnni_kernel), ("amx", has_amx_kernel)) if ready()]
+        if kind != "onednn" or not own:
             self._pack(kind, x2.shape[0])
             self._codes = None
             return
         codes = self._codes
         self._pack("vnni", None)
-        vnni, self._codes = self.packed, codes
+        own_packed, self._codes = self.packed, codes
         self._pack("onednn", x2.shape[0])
-        times: dict[str, list[float]] = {"vnni": [], "onednn": []}
+        runs = {"onednn": lambda: self._asymmetric(x2, bias, activation, True)}
+        for name in own:
+            op = getattr(torch.ops.fastgen_cpu, OWN_KINDS[name])
+            runs[name] = functools.partial(
+                op, x2, own_packed, self.out_features, self.scale, self.col_sums, bias, activation
+            )
+        times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(VNNI_ROUNDS):
-            for kind in ("vnni", "onednn"):
+            for name, run in runs.items():
                 start = time.perf_counter()
-                if kind == "vnni":
-                    op = torch.ops.fastgen_cpu.int8_linear_vnni
-                    op(x2, vnni, self.out_features, self.scale, self.col_sums, bias, activation)
-                else:
-                    self._asymmetric(x2, bias, activation, True)
-                times[kind].append(time.perf_counter() - start)
-        if sorted(times["vnni"])[VNNI_ROUNDS // 2] < sorted(times["onednn"])[VNNI_ROUNDS // 2]:
-            self.kind, self.packed = "vnni", vnni
-        self.choice_ms = {kind: sorted(t)[VNNI_ROUNDS // 2] * 1e3 for kind, t in times.items()}
+                run()
+                times[name].append(time.perf_counter() - start)
+        self.choice_ms = {name: sorted(t)[VNNI_ROUNDS // 2] * 1e3 for name, t in times.items()}
+        best = min(self.choice_ms, key=self.choice_ms.__getitem__)
+        if best != "onednn":
+            self.kind, self.packed = best, own_packed
         self._codes = None
 
     def _torch_ops(

@@ -26,15 +26,19 @@ BACKENDS = [
     *(["fbgemm"] if int8_linear._has_fbgemm() else []),
     *(["onednn"] if int8_linear._has_onednn() else []),
     *(["vnni"] if "avx512_vnni" in int8_linear.cpu_flags() else []),  # skipped below where its kernel can't run
+    *(["amx"] if "amx_int8" in int8_linear.cpu_flags() else []),
 ]
 
 
 @pytest.fixture(autouse=True)
 def _vnni_needs_its_kernel(request):
-    """``vnni`` is listed without building the CPU kernels at collection; its tests skip where they can't run."""
+    """``vnni`` and ``amx`` are listed without building the CPU kernels at collection; their tests skip where
+    they can't run."""
     params = getattr(request.node, "callspec", None)
-    if params is not None and params.params.get("backend") == "vnni" and not int8_linear.has_vnni_kernel():
-        pytest.skip("no AVX-512 VNNI kernel here")
+    ready = {"vnni": int8_linear.has_vnni_kernel, "amx": int8_linear.has_amx_kernel}
+    backend = params.params.get("backend") if params is not None else None
+    if backend in ready and not ready[backend]():
+        pytest.skip(f"no {backend} kernel here")
 
 
 KERNELS = ["kernels", "torch-ops"]

@@ -1,14 +1,15 @@
-"""fastgen's fused VNNI int8 op (``fastgen_cpu::int8_linear_vnni``) and the ``auto`` backend's choice of it.
+"""fastgen's fused int8 ops (``fastgen_cpu::int8_linear_vnni`` and ``int8_linear_amx``) and ``auto``'s choice.
 
 What is asserted:
 
 * the packed layout is the one ``vpdpbusd`` reads (16 outputs x 4 consecutive k per 64 bytes, zeros past the
   weight's edges);
-* the op computes the asymmetric grid's formula with exact integer sums: against the row quantizer's codes
-  multiplied in int64 and scaled in the same order, for row counts, widths and depths that are not multiples of
-  the tiles (8 rows, 48 outputs, 4 k), with and without bias, each fused activation, and rows holding NaN or
-  infinity (NaN out, other rows untouched);
-* it returns oneDNN's path's bits (same codes, sums and scaling), so ``auto``'s timed choice between the two
+* each op (VNNI registers; AMX tiles where the CPU and OS give them) computes the asymmetric grid's formula
+  with exact integer sums: against the row quantizer's codes multiplied in int64 and scaled in the same order,
+  for row counts, widths and depths that are not multiples of the tiles (8 or 32 rows, 48 or 32 outputs, 4 or
+  64 k), with and without bias, each fused activation, and rows holding NaN or infinity (NaN out, other rows
+  untouched);
+* they return oneDNN's path's bits (same codes, sums and scaling), so ``auto``'s timed choice between the two
   at a weight's first product moves no result; the choice and its timings are recorded.
 """
 
@@ -21,8 +22,26 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=str(cpu_kern
 #: the op runs everywhere its kernels build (a plain loop without VNNI: the AVX2 build's test runs that);
 #: ``auto`` chooses it only where it is native
 native = pytest.mark.skipif(not int8_linear.has_vnni_kernel(), reason="no AVX-512 VNNI kernel here")
+OPS = ["int8_linear_vnni", "int8_linear_amx"]
 
-SHAPES = [(1, 8, 16), (5, 37, 50), (8, 64, 48), (16, 256, 256), (19, 130, 97), (64, 100, 200), (130, 20, 33)]
+
+@pytest.fixture(params=OPS)
+def op_name(request):
+    if request.param == "int8_linear_amx" and not torch.ops.fastgen_cpu.int8_amx_ready():
+        pytest.skip("no AMX here (CPU, kernel or build)")
+    return request.param
+
+
+SHAPES = [
+    (1, 8, 16),
+    (5, 37, 50),
+    (8, 64, 48),
+    (16, 256, 256),
+    (19, 130, 97),
+    (33, 70, 31),
+    (64, 100, 200),
+    (130, 20, 33),
+]
 
 
 def _emulated(x, weight, bias, activation):
@@ -38,60 +57,65 @@ def _emulated(x, weight, bias, activation):
     return (int8_linear.ACTIVATIONS[activation](y) if activation else y), 1.2 * bound + 1e-6
 
 
-def _op(x, weight, bias, activation):
+def _op(x, weight, bias, activation, name="int8_linear_vnni"):
     wq, scale_w = int8_linear.quantize_weight(weight)
     col_sums = wq.sum(dim=1, dtype=torch.int32).to(torch.float32) * scale_w
     packed = torch.ops.fastgen_cpu.pack_int8_vnni(wq)
-    return torch.ops.fastgen_cpu.int8_linear_vnni(x, packed, weight.shape[0], scale_w, col_sums, bias, activation)
+    op = getattr(torch.ops.fastgen_cpu, name)
+    return op(x, packed, weight.shape[0], scale_w, col_sums, bias, activation)
 
 
 def test_the_packed_layout_is_what_vpdpbusd_reads():
     codes = torch.arange(-60, 60, dtype=torch.int8)[: 17 * 7].reshape(17, 7)  # 17 outputs, 7 k: both edges ragged
     packed = torch.ops.fastgen_cpu.pack_int8_vnni(codes)
-    assert packed.shape == (2, 2, 16, 4)
+    assert packed.shape == (2, 16, 16, 4)  # k padded to a whole 64-byte block (16 groups of four)
     for n in range(17):
         for k in range(7):
             assert packed[n // 16, k // 4, n % 16, k % 4] == codes[n, k]
-    assert packed[1, :, 1:].eq(0).all() and packed[:, 1, :, 3].eq(0).all()
+    assert packed[1, :, 1:].eq(0).all() and packed[:, 1, :, 3].eq(0).all() and packed[:, 2:].eq(0).all()
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_op_sums_exactly_and_scales_in_order(m, k, n, bias):
+def test_the_op_sums_exactly_and_scales_in_order(m, k, n, bias, op_name):
     generator = torch.Generator().manual_seed(m * 1000 + k + n)
     weight = torch.randn(n, k, generator=generator) * 0.2
     b = torch.randn(n, generator=generator) if bias else None
     x = torch.randn(m, k, generator=generator) * 3
     x[0, : k // 2] = 0.0  # a row with exact zeros
     for activation in (0, *int8_linear.ACTIVATIONS):
-        got = _op(x, weight, b, activation)
+        got = _op(x, weight, b, activation, op_name)
         want, bound = _emulated(x, weight, b, activation)
         assert ((got - want).abs() <= bound).all(), (activation, ((got - want).abs() / bound).max())
 
 
-def test_rows_with_nan_or_inf_come_out_nan_and_the_others_are_untouched():
+def test_rows_with_nan_or_inf_come_out_nan_and_the_others_are_untouched(op_name):
     generator = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(40, 24, generator=generator), torch.randn(40, generator=generator)
     clean = torch.randn(6, 24, generator=generator)
     x = clean.clone()
     x[1, 2], x[2, 5], x[3, 0] = float("nan"), float("inf"), float("-inf")
-    got = _op(x, weight, bias, 0)
+    got = _op(x, weight, bias, 0, op_name)
     assert got[1:4].isnan().all() and not got[[0, 4, 5]].isnan().any()
-    assert torch.equal(got[[0, 4, 5]], _op(clean, weight, bias, 0)[[0, 4, 5]])
+    assert torch.equal(got[[0, 4, 5]], _op(clean, weight, bias, 0, op_name)[[0, 4, 5]])
 
 
 @native
 @pytest.mark.skipif(not int8_linear._has_onednn(), reason="no oneDNN quantized linear here")
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_the_op_gives_onednns_bits(m, k, n):
+def test_the_ops_give_onednns_bits(m, k, n):
     generator = torch.Generator().manual_seed(n)
     weight, bias = torch.randn(n, k, generator=generator), torch.randn(n, generator=generator)
     x = torch.randn(m, k, generator=generator)
     onednn = int8_linear.Int8Weight(weight, "onednn")
-    vnni = int8_linear.Int8Weight(weight, "vnni")
-    assert vnni.kind == "vnni" and onednn.kind == "onednn"
+    own = [int8_linear.Int8Weight(weight, "vnni")]
+    if int8_linear.has_amx_kernel():
+        own.append(int8_linear.Int8Weight(weight, "amx"))
+    assert onednn.kind == "onednn" and [w.kind for w in own] == ["vnni", "amx"][: len(own)]
     for activation in (0, int8_linear.GELU):
-        assert torch.equal(vnni.matmul(x, bias, activation), onednn.matmul(x, bias, activation))
+        expected = onednn.matmul(x, bias, activation)
+        for prepared in own:
+            assert torch.equal(prepared.matmul(x, bias, activation), expected), prepared.kind
 
 
 @native
@@ -101,7 +125,8 @@ def test_auto_times_both_at_the_first_product_and_keeps_the_faster():
     x = torch.randn(12, 64)
     chosen = int8_linear.Int8Weight(weight, "auto")
     first = chosen.matmul(x, bias)
-    assert chosen.kind in ("vnni", "onednn") and set(chosen.choice_ms) == {"vnni", "onednn"}
+    candidates = {"vnni", "onednn"} | ({"amx"} if int8_linear.has_amx_kernel() else set())
+    assert chosen.kind in candidates and set(chosen.choice_ms) == candidates
     assert chosen.kind == min(chosen.choice_ms, key=chosen.choice_ms.__getitem__)
     assert torch.equal(first, int8_linear.Int8Weight(weight, "onednn").matmul(x, bias))
     assert torch.equal(chosen.matmul(x, bias), first)

@@ -32,15 +32,19 @@ BACKENDS = [
     *(["fbgemm"] if int8_linear._has_fbgemm() else []),
     *(["onednn"] if int8_linear._has_onednn() else []),
     *(["vnni"] if "avx512_vnni" in int8_linear.cpu_flags() else []),  # skipped below where its kernel can't run
+    *(["amx"] if "amx_int8" in int8_linear.cpu_flags() else []),
 ]
 
 
 @pytest.fixture(autouse=True)
 def _vnni_needs_its_kernel(request):
-    """``vnni`` is listed without building the CPU kernels at collection; its tests skip where they can't run."""
+    """``vnni`` and ``amx`` are listed without building the CPU kernels at collection; their tests skip where
+    they can't run."""
     params = getattr(request.node, "callspec", None)
-    if params is not None and params.params.get("backend") == "vnni" and not int8_linear.has_vnni_kernel():
-        pytest.skip("no AVX-512 VNNI kernel here")
+    ready = {"vnni": int8_linear.has_vnni_kernel, "amx": int8_linear.has_amx_kernel}
+    backend = params.params.get("backend") if params is not None else None
+    if backend in ready and not ready[backend]():
+        pytest.skip(f"no {backend} kernel here")
 
 
 def _weights(rows: int, cols: int, seed: int, zero_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,11 +164,11 @@ def test_auto_packs_each_weight_once_for_the_backend_its_first_product_needs(mon
 
 @pytest.mark.skipif(int8_linear.backend() != "auto", reason="auto needs both fbgemm and oneDNN")
 @pytest.mark.skipif(not cpu_kernels.available(), reason=str(cpu_kernels.unavailable_reason()))
-def test_auto_with_the_fused_kernels_takes_onednn_or_the_vnni_op_for_every_product():
+def test_auto_with_the_fused_kernels_takes_onednn_or_an_own_op_for_every_product():
     small = int8_linear.Int8Weight(torch.randn(64, 64), "auto")
     small.matmul(torch.randn(4, 64))
     assert small.kind == ("onednn" if small.choice_ms is None else min(small.choice_ms, key=small.choice_ms.get))
-    assert small.kind in ("onednn", "vnni")
+    assert small.kind in ("onednn", "vnni", "amx")
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "int_mm"])
