@@ -303,6 +303,7 @@ class Int8Weight:
         self.nbytes = codes.numel() + 3 * scale.numel() * scale.element_size()
         self.kind = kind
         self.choice_ms: dict[str, float] | None = None  # the first product's timings, where it chose
+        self._int_mm_codes: torch.Tensor | None = None  # own kinds under a symmetric grid switched in later
         if kind != "auto":
             self._pack(kind, None)
 
@@ -340,6 +341,8 @@ class Int8Weight:
                 if self._codes is not None:
                     self._first_product(x2, bias, activation)
         if self.kind in OWN_KINDS:
+            if GRID == "symmetric":  # switched in-process after this weight chose an op of the other grid
+                return self._symmetric_on_own_codes(x2, bias, activation)
             op = getattr(torch.ops.fastgen_cpu, OWN_KINDS[self.kind])
             return op(x2, self.packed, self.out_features, self.scale, self.col_sums, bias, activation)
         fused = self.kind != "int_mm" and cpu_kernels.available()
@@ -384,6 +387,23 @@ class Int8Weight:
         if best != "onednn":
             self.kind, self.packed = best, own_packed
         self._codes = None
+
+    def _symmetric_on_own_codes(self, x2: torch.Tensor, bias: torch.Tensor | None, activation: int) -> torch.Tensor:
+        """The symmetric grid for a weight packed for fastgen's ops (which compute the asymmetric one): the
+        reference's arithmetic through ``torch._int_mm`` on the codes read back from the packing (kept once
+        needed). Only a process that switches :data:`GRID` after the weight's first product comes here."""
+        if self._int_mm_codes is None:
+            k = x2.shape[1]
+            codes = self.packed.permute(0, 2, 1, 3).reshape(-1, self.packed.shape[1] * 4)
+            self._int_mm_codes = codes[: self.out_features, :k].t().contiguous()  # (K, N), as the int_mm kind
+        x2, row_max, lost = _finite_rows(x2, _row_max(x2))
+        scale_x = row_max / 127
+        xq = torch.round(x2 / scale_x).clamp_(-127, 127).to(torch.int8)
+        y = torch._int_mm(xq, self._int_mm_codes).to(torch.float32).mul_(scale_x * self.scale)
+        if lost is not None:
+            y.masked_fill_(lost, float("nan"))
+        y = y if bias is None else y.add_(bias)
+        return ACTIVATIONS[activation](y) if activation else y
 
     def _torch_ops(
         self, x2: torch.Tensor, row_max: torch.Tensor, bias: torch.Tensor | None, activation: int, fused: bool

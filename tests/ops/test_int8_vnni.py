@@ -130,3 +130,21 @@ def test_auto_times_both_at_the_first_product_and_keeps_the_faster():
     assert chosen.kind == min(chosen.choice_ms, key=chosen.choice_ms.__getitem__)
     assert torch.equal(first, int8_linear.Int8Weight(weight, "onednn").matmul(x, bias))
     assert torch.equal(chosen.matmul(x, bias), first)
+
+
+@native
+def test_a_grid_switched_to_symmetric_later_is_honoured(monkeypatch):
+    """A weight that chose fastgen's op (asymmetric grid) computes the symmetric grid once ``GRID`` says so."""
+    generator = torch.Generator().manual_seed(11)
+    weight, bias = torch.randn(40, 70, generator=generator), torch.randn(40, generator=generator)
+    x = torch.randn(6, 70, generator=generator)
+    x[2, 3] = float("nan")
+    prepared = int8_linear.Int8Weight(weight, "vnni")
+    asymmetric = prepared.matmul(x, bias)
+    monkeypatch.setattr(int8_linear, "GRID", "symmetric")
+    symmetric = prepared.matmul(x, bias)
+    reference = int8_linear.int8_linear_reference(x, weight, bias, grid="symmetric")
+    assert torch.equal(symmetric.isnan(), reference.isnan()) and symmetric[2].isnan().all()
+    keep = ~reference.isnan()
+    assert torch.allclose(symmetric[keep], reference[keep], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(asymmetric[keep], reference[keep], rtol=1e-5, atol=1e-5)  # the grid did change
