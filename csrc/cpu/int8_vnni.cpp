@@ -47,6 +47,14 @@ constexpr int kPanel = 16;     // outputs per panel (int32 lanes of a zmm regist
 constexpr int kTileRows = 8;   // rows per register tile
 constexpr int kTilePanels = 3; // panels per register tile: 8 x 3 sums + 3 weights + 1 input of 32 zmm
 constexpr int64_t kBlockQuads = 16;  // groups of four k per 64-byte row of an AMX tile
+// multiply-adds a thread's share must hold before a product is split across threads: a decode step's small
+// products ran slower on two threads than on one (the fork, and each thread's tile configuration, cost more)
+constexpr int64_t kMinMacsPerThread = int64_t{1} << 22;
+
+// at::parallel_for's grain for `items` items of `macs_per_item` each
+inline int64_t grain_for(int64_t macs_per_item) {
+  return std::max<int64_t>(1, kMinMacsPerThread / std::max<int64_t>(1, macs_per_item));
+}
 
 // groups of four k in a packed panel: padded to whole AMX k blocks (zeros)
 inline int64_t padded_quads(int64_t K) { return ((K + 3) / 4 + kBlockQuads - 1) / kBlockQuads * kBlockQuads; }
@@ -264,7 +272,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const int64_t panel_bytes = panel_quads * kPanel * 4;
 #if defined(__x86_64__) && defined(__GNUC__)
   if (amx) {  // threads over pairs of panels; each thread configures its own tiles
-    at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
+    at::parallel_for(0, (panels + 1) / 2, grain_for(M * 2 * kPanel * K), [&](int64_t q0, int64_t q1) {
       alignas(64) int32_t acc[32 * 32];
       amx_begin();
       for (int64_t q = q0; q < q1; ++q) {
@@ -285,7 +293,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 #endif
   const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
   // threads over groups of panels; each group's weight (3 panels x K codes) stays in cache across row tiles
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, groups, grain_for(M * kTilePanels * kPanel * K), [&](int64_t g0, int64_t g1) {
     alignas(64) int32_t acc[kTileRows * kTilePanels * kPanel];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * kTilePanels;

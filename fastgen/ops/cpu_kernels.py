@@ -60,8 +60,18 @@ except ImportError:  # not POSIX: builders don't queue (torch's own lock file st
 
 logger = logging.getLogger("fastgen")
 
-#: reductions may reassociate (a tree instead of a chain); no errno from libm
-CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+#: reductions may reassociate (a tree instead of a chain); no errno from libm; ``-fopenmp``: ATen's
+#: ``at::parallel_for`` is inline OpenMP in torch's headers and runs serially in code built without it (every
+#: kernel here had run on one thread whatever ``torch.set_num_threads`` said); linked with ``-fopenmp``, the
+#: kernels share torch's own ``libgomp.so.1`` (one runtime, one thread count)
+CFLAGS = [
+    "-O3",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
 #: the CPU to vectorize for: ``native`` (this one); ``FASTGEN_CPU_MARCH=haswell`` builds the AVX2 path (tests)
 MARCH_ENV = "FASTGEN_CPU_MARCH"
 PREBUILT_ENV = "FASTGEN_CPU_PREBUILT"
@@ -349,6 +359,7 @@ def _build(directory: Path, files: list[Path], facts: dict[str, object]) -> str 
                     sources=[str(f) for f in files],
                     build_directory=str(directory),
                     extra_cflags=list(facts["cflags"]),  # type: ignore[call-overload]
+                    extra_ldflags=["-fopenmp"],
                     is_python_module=False,
                     verbose=False,
                 )
