@@ -18,28 +18,9 @@ import fastgen
 from fastgen.ops import cpu_kernels, int8_linear
 from fastgen.optimizer import linear_modes, registry
 from tests import harness
+from tests.int8_backends import BACKENDS, ready_backend  # noqa: F401 (an autouse fixture)
 
 pytestmark = pytest.mark.skipif(int8_linear.unavailable() is not None, reason=str(int8_linear.unavailable()))
-
-BACKENDS = [
-    "int_mm",
-    *(["fbgemm"] if int8_linear._has_fbgemm() else []),
-    *(["onednn"] if int8_linear._has_onednn() else []),
-    *(["vnni"] if "avx512_vnni" in int8_linear.cpu_flags() else []),  # skipped below where its kernel can't run
-    *(["amx"] if "amx_int8" in int8_linear.cpu_flags() else []),
-]
-
-
-@pytest.fixture(autouse=True)
-def _vnni_needs_its_kernel(request):
-    """``vnni`` and ``amx`` are listed without building the CPU kernels at collection; their tests skip where
-    they can't run."""
-    params = getattr(request.node, "callspec", None)
-    ready = {"vnni": int8_linear.has_vnni_kernel, "amx": int8_linear.has_amx_kernel}
-    backend = params.params.get("backend") if params is not None else None
-    if backend in ready and not ready[backend]():
-        pytest.skip(f"no {backend} kernel here")
-
 
 KERNELS = ["kernels", "torch-ops"]
 DEFAULT_FEATURES = sorted(set(registry.known_features()) - registry.OPT_IN_FEATURES)
