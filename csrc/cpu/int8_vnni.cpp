@@ -109,12 +109,6 @@ void tile(const uint8_t* xq, int64_t stride, const int8_t* w, int64_t panel_quad
 
 using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*);
 
-template <int R, int... kC>
-constexpr TileFn pick_cols(int panels, std::integer_sequence<int, kC...>) {
-  TileFn fns[] = {&tile<R, kC + 1>...};
-  return fns[panels - 1];
-}
-
 template <int... kR>
 TileFn pick_tile(int rows, int panels, std::integer_sequence<int, kR...>) {
   TileFn fns[][kTilePanels] = {{&tile<kR + 1, 1>, &tile<kR + 1, 2>, &tile<kR + 1, 3>}...};

@@ -155,8 +155,8 @@ def backend() -> str:
     return "onednn" if _has_onednn() else "int_mm"
 
 
-#: Timed rounds of each backend when a weight's first product chooses between oneDNN and the VNNI op.
-VNNI_ROUNDS = 3
+#: Timed rounds of each candidate when a weight's first product chooses between oneDNN and fastgen's ops.
+CHOICE_ROUNDS = 3
 
 #: A product with at least this many outputs (rows x out features) goes to oneDNN under ``auto``.
 ONEDNN_MIN_OUTPUTS = 1 << 18
@@ -377,12 +377,12 @@ class Int8Weight:
                 op, x2, own_packed, self.out_features, self.scale, self.col_sums, bias, activation
             )
         times: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(VNNI_ROUNDS):
+        for _ in range(CHOICE_ROUNDS):
             for name, run in runs.items():
                 start = time.perf_counter()
                 run()
                 times[name].append(time.perf_counter() - start)
-        self.choice_ms = {name: sorted(t)[VNNI_ROUNDS // 2] * 1e3 for name, t in times.items()}
+        self.choice_ms = {name: sorted(t)[CHOICE_ROUNDS // 2] * 1e3 for name, t in times.items()}
         best = min(self.choice_ms, key=self.choice_ms.__getitem__)
         if best != "onednn":
             self.kind, self.packed = best, own_packed
