@@ -41,8 +41,10 @@ from fastgen.ops.weight_cache import DerivedWeights
 #: The call of a key that times it against the exact form (1: the first, so every result of the key comes
 #: from one form; a later call would switch forms, and rounding, between identical calls).
 CALIBRATE_AFTER = 1
-#: Timing rounds (each runs the exact and the packed form once, alternating).
-ROUNDS = 3
+#: Timing rounds (each runs the exact and the packed form once, which first alternating), after one untimed
+#: run of each: a first run at a new shape pays oneDNN's kernel generation and cold caches (timed, it made the
+#: packed form look 2-3x slower than it runs and kept MKL for 1024 -> 256 at 16 rows, where packed is 1.9x faster).
+ROUNDS = 5
 #: Keys larger than this many multiply-adds are not timed (packed is kept): a long prefill.
 MAX_CALIBRATION_MACS = 4e9
 
@@ -121,10 +123,13 @@ def _time_into(run: Callable[[], torch.Tensor], times: list[float]) -> None:
 
 def _calibrate(key: Key, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Time packed against upstream's op on ``x``; remember the medians; return the kept form's result."""
-    times: dict[str, list[float]] = {"packed": [], "linear": []}
-    for _ in range(ROUNDS):
-        _time_into(lambda: _run_packed(module, x), times["packed"])
-        _time_into(lambda: _exact(module, x), times["linear"])
+    forms = {"packed": lambda: _run_packed(module, x), "linear": lambda: _exact(module, x)}
+    times: dict[str, list[float]] = {form: [] for form in forms}
+    for run in forms.values():
+        run()
+    for round_ in range(ROUNDS):
+        for form in forms if round_ % 2 == 0 else reversed(forms):
+            _time_into(forms[form], times[form])
     choice = _choices[key] = {form: sorted(values)[len(values) // 2] for form, values in times.items()}
     return _run_packed(module, x) if choice["packed"] <= choice["linear"] else _exact(module, x)
 

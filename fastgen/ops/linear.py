@@ -26,6 +26,12 @@ block size is fastest depends on the CPU, so nothing here is assumed:
   each one whose result is not ``torch.equal`` to ``F.linear``'s, times the rest against
   ``F.linear`` in alternating rounds, and keeps the fastest only if it beats ``F.linear`` by
   :data:`MIN_GAIN`; otherwise the key keeps ``F.linear``;
+* a kept candidate is then **on trial**: the key's next :data:`TRIAL_CALLS` real calls alternate it with
+  ``F.linear``, each timed where it runs (between the model's other work, with the caches as they really
+  are), and it stays only if its median still beats ``F.linear``'s by ``MIN_GAIN``. The calibration times
+  back-to-back repeats on warm caches; in a decode step the weight was just evicted by the other layers'
+  (a 16-row product of a 256-wide model chose the ordered kernel at 0.025 ms against 0.027 and ran slower
+  than MKL in the model). Both forms give the same bits, so switching changes no result;
 * later calls with the key run the kept form. The choice is remembered for the process.
 
 The candidates never copy the weight (column blocks of a row-major ``(N, K)`` weight are
@@ -60,6 +66,9 @@ MIN_OUT_FEATURES = 2 * min(BLOCK_SIZES)
 #: Skip calibrating products larger than this many multiply-adds (a prefill over thousands of rows):
 #: the calibration would cost seconds and blocking gains little on tall inputs.
 MAX_CALIBRATION_MACS = 2e9
+#: Real calls of each form (the candidate and ``F.linear``, alternating) timed in place before a candidate the
+#: calibration kept is final (0: kept at once).
+TRIAL_CALLS = 12
 #: Calls of a key that run ``F.linear`` before it is calibrated ("rent before you buy"): calibrating
 #: costs about as much as this many calls (verification plus ROUNDS timed rounds of every form), so a
 #: key used only a few times (a passing row count) never pays for it, and one that is used often has
@@ -88,6 +97,17 @@ class Choice:
     times_ms: dict[str, float]  # median per candidate (identical ones only)
     not_identical: tuple[str, ...]  # candidates dropped because their bits differed
     order: tuple[int, int] | None = None  # the ordered kernel's (block, bias place)
+    # while the kept candidate is timed in place against F.linear; then the trial's medians of both
+    trial: _Trial | None = dataclasses.field(default=None, compare=False)
+    in_place_ms: dict[str, float] | None = dataclasses.field(default=None, compare=False)
+
+
+@dataclasses.dataclass
+class _Trial:
+    """Milliseconds of the real calls a candidate and ``F.linear`` served for one key, so far."""
+
+    form: list[float] = dataclasses.field(default_factory=list)
+    linear: list[float] = dataclasses.field(default_factory=list)
 
 
 _choices: dict[Key, Choice] = {}
@@ -200,6 +220,28 @@ def _key(x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     )
 
 
+def _cheap_key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Key | None:
+    """:func:`_key` without the flattened view (None where it would not be one): most keys of a small model
+    keep ``F.linear``, and their calls should pay a dictionary lookup, not every check of :func:`unsupported`."""
+    shape = x.shape
+    if len(shape) < 2 or weight.dim() != 2 or not shape[-1]:
+        return None
+    rows = x.numel() // shape[-1]
+    return (
+        len(shape),
+        weight.shape[0],
+        weight.shape[1],
+        bias is not None,
+        rows,
+        torch.get_num_threads(),
+        x.data_ptr() % 64,
+    )
+
+
+#: what a key without a choice reads as in the cheap lookup (not "linear": it goes the long way)
+_NONE = Choice("none", None, {}, ())
+
+
 def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """Why this call runs ``F.linear`` itself (None: it can take the calibrated form).
 
@@ -258,15 +300,16 @@ def calibrate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
             not_identical.append(name)
     times: dict[str, list[float]] = {"linear": []} | {name: [] for name in candidates}
     forms = {"linear": lambda: F.linear(x, weight, bias)} | candidates
-    for _ in range(ROUNDS):
-        for name, run in forms.items():
+    for round_ in range(ROUNDS):  # every form has run once (the identity checks); which goes first alternates
+        for name in forms if round_ % 2 == 0 else reversed(forms):
             start = time.perf_counter()
-            run()
+            forms[name]()
             times[name].append(time.perf_counter() - start)
     medians = {name: _median(values) * 1e3 for name, values in times.items()}
     best = pick(medians)
     block = int(best.removeprefix("blocked")) if best.startswith("blocked") else None
-    return Choice(best, block, medians, tuple(not_identical), orders.get(best)), result
+    trial = _Trial() if best != "linear" and TRIAL_CALLS > 0 else None
+    return Choice(best, block, medians, tuple(not_identical), orders.get(best), trial), result
 
 
 def choice_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Choice | None:
@@ -280,6 +323,8 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     Semantics are ``F.linear``'s exactly (same bits, same shape); see the module docstring for how
     the form is chosen and which calls run ``F.linear`` itself.
     """
+    if not torch.compiler.is_compiling() and _choices.get(_cheap_key(x, weight, bias), _NONE).form == "linear":
+        return F.linear(x, weight, bias)  # right for any call: the checks below only guard the other forms
     if unsupported(x, weight, bias) is not None:
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
@@ -297,12 +342,43 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                 choice, result = calibrate(x, weight, bias)
                 _choices[key] = choice
                 return result
+    if choice.trial is not None:
+        return _on_trial(key, choice, x, x2, weight, bias)
+    return _run(choice, x, x2, weight, bias)
+
+
+def _run(
+    choice: Choice, x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     if choice.order is not None:
         op = torch.ops.fastgen_cpu.ordered_linear
         return op(x2, weight, bias, *choice.order).reshape(*x.shape[:-1], weight.shape[0])
     if choice.block is None:
         return F.linear(x, weight, bias)
     return _blocked(x2, weight, bias, choice.block).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _on_trial(
+    key: Key, choice: Choice, x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """One real call of a key on trial: the candidate or ``F.linear`` (alternating), timed; the verdict after
+    :data:`TRIAL_CALLS` of each."""
+    trial = choice.trial
+    use_form = len(trial.form) <= len(trial.linear)
+    start = time.perf_counter()
+    result = _run(choice, x, x2, weight, bias) if use_form else F.linear(x, weight, bias)
+    (trial.form if use_form else trial.linear).append((time.perf_counter() - start) * 1e3)
+    if len(trial.linear) >= TRIAL_CALLS:
+        with _lock:
+            if _choices.get(key) is choice:
+                medians = {"linear": _median(trial.linear), choice.form: _median(trial.form)}
+                kept = (
+                    choice
+                    if pick(medians) != "linear"
+                    else Choice("linear", None, choice.times_ms, choice.not_identical)
+                )
+                _choices[key] = dataclasses.replace(kept, trial=None, in_place_ms=medians)
+    return result
 
 
 def forget_choices() -> None:

@@ -20,6 +20,7 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(linear, "BLOCK_SIZES", (8, 32, 64))
     monkeypatch.setattr(linear, "CALIBRATE_AFTER", 1)
     monkeypatch.setattr(linear, "MIN_OUT_FEATURES", 16)
+    monkeypatch.setattr(linear, "TRIAL_CALLS", 0)  # the kept form serves at once (its trial: test_linear.py)
     monkeypatch.setattr(linear, "ordered_kernel", lambda: None)
     linear.forget_choices()
     yield
@@ -148,3 +149,48 @@ def test_a_key_runs_f_linear_until_it_has_been_seen_often_enough(monkeypatch):
     assert linear.choice_for(torch.randn(8, 32), weight) is None  # another row count: its own key
     assert torch.equal(linear.exact_linear(x, weight), F.linear(x, weight))
     assert linear.choice_for(x, weight) is not None
+
+
+def _trial_key(monkeypatch, slow_in_place: bool, verdict=linear.pick):
+    """Calibrate a key whose blocked candidate the calibration keeps, then let its trial judge it in place
+    (made 2 ms slower there when ``slow_in_place``) with ``verdict`` as the trial's pick."""
+    monkeypatch.setattr(linear, "TRIAL_CALLS", 3)
+    calibrating = [True]
+    monkeypatch.setattr(linear, "pick", lambda m: next(n for n in m if n != "linear") if calibrating[0] else verdict(m))
+    fast = linear._blocked
+    slowed = []
+
+    def in_place(*args):
+        if not calibrating[0]:
+            slowed.append(1)
+            if slow_in_place:
+                import time
+
+                time.sleep(0.002)
+        return fast(*args)
+
+    monkeypatch.setattr(linear, "_blocked", in_place)
+    weight = torch.randn(257, 48)
+    x = torch.randn(16, 48)
+    assert torch.equal(linear.exact_linear(x, weight), F.linear(x, weight))
+    calibrating[0] = False
+    choice = linear.choice_for(x, weight)
+    assert choice.block is not None and choice.trial is not None
+    for seed in range(8):  # 3 calls of each form, alternating, then the verdict; the same bits throughout
+        x = torch.randn(16, 48, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(linear.exact_linear(x, weight), F.linear(x, weight))
+    return linear.choice_for(x, weight), len(slowed)
+
+
+def test_a_candidate_slower_in_place_than_calibrated_goes_back_to_f_linear(monkeypatch):
+    choice, candidate_calls = _trial_key(monkeypatch, slow_in_place=True)
+    assert choice.form == "linear" and choice.trial is None
+    (candidate,) = set(choice.in_place_ms) - {"linear"}
+    assert candidate_calls == 3 and choice.in_place_ms[candidate] > choice.in_place_ms["linear"] + 1.5
+
+
+def test_a_candidate_that_keeps_up_in_place_stays(monkeypatch):
+    keep = lambda medians: next(n for n in medians if n != "linear")  # noqa: E731 (no timing decides here)
+    choice, candidate_calls = _trial_key(monkeypatch, slow_in_place=False, verdict=keep)
+    assert choice.block is not None and choice.trial is None and set(choice.in_place_ms) == {"linear", choice.form}
+    assert candidate_calls == 3 + 2  # its 3 trial calls, then it serves the 2 calls left
