@@ -41,10 +41,14 @@ from fastgen.ops.weight_cache import DerivedWeights
 #: The call of a key that times it against the exact form (1: the first, so every result of the key comes
 #: from one form; a later call would switch forms, and rounding, between identical calls).
 CALIBRATE_AFTER = 1
-#: Timing rounds (each runs the exact and the packed form once, which first alternating), after one untimed
-#: run of each: a first run at a new shape pays oneDNN's kernel generation and cold caches (timed, it made the
-#: packed form look 2-3x slower than it runs and kept MKL for 1024 -> 256 at 16 rows, where packed is 1.9x faster).
+#: Timing rounds (each times the exact and the packed form, which first alternating), after one untimed run of
+#: each: a first run at a new shape pays oneDNN's kernel generation and cold caches (timed, it made the packed
+#: form look 2-3x slower than it runs and kept MKL for 1024 -> 256 at 16 rows, where packed is 1.6x faster).
 ROUNDS = 5
+#: A round times each form over this many milliseconds of back-to-back calls (at most :data:`MAX_REPEATS`): one
+#: call of a small product is a few tens of microseconds, less than the noise of timing it once.
+ROUND_MS = 0.25
+MAX_REPEATS = 8
 #: Keys larger than this many multiply-adds are not timed (packed is kept): a long prefill.
 MAX_CALIBRATION_MACS = 4e9
 
@@ -115,21 +119,25 @@ def _run_packed(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, _packed.get(module), module.bias, "none", [], "")
 
 
-def _time_into(run: Callable[[], torch.Tensor], times: list[float]) -> None:
+def _time_into(run: Callable[[], torch.Tensor], times: list[float], repeats: int = 1) -> None:
+    """Append the milliseconds one call of ``run`` takes, averaged over ``repeats`` back-to-back calls."""
     start = time.perf_counter()
-    run()
-    times.append((time.perf_counter() - start) * 1e3)
+    for _ in range(repeats):
+        run()
+    times.append((time.perf_counter() - start) * 1e3 / repeats)
 
 
 def _calibrate(key: Key, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Time packed against upstream's op on ``x``; remember the medians; return the kept form's result."""
     forms = {"packed": lambda: _run_packed(module, x), "linear": lambda: _exact(module, x)}
     times: dict[str, list[float]] = {form: [] for form in forms}
+    first: list[float] = []
     for run in forms.values():
-        run()
+        _time_into(run, first)
+    repeats = max(1, min(MAX_REPEATS, int(ROUND_MS / max(max(first), 1e-3))))
     for round_ in range(ROUNDS):
         for form in forms if round_ % 2 == 0 else reversed(forms):
-            _time_into(forms[form], times[form])
+            _time_into(forms[form], times[form], repeats)
     choice = _choices[key] = {form: sorted(values)[len(values) // 2] for form, values in times.items()}
     return _run_packed(module, x) if choice["packed"] <= choice["linear"] else _exact(module, x)
 

@@ -124,7 +124,7 @@ def test_gpt2_conv1d_layers_run_packed_and_close():
 def _force_timings(monkeypatch, packed_ms: float, linear_ms: float) -> None:
     """Make the calibration see these timings (the choice logic is under test, not the machine)."""
 
-    def fake_time_into(run, times):
+    def fake_time_into(run, times, repeats=1):
         run()
         times.append(packed_ms if "_run_packed" in run.__code__.co_names else linear_ms)
 

@@ -24,6 +24,10 @@ private (and why a private one stays), and the guard, the test that fails when i
 - ``GenerationMixin._prefill`` (private), dedup: a decoder-only prompt prefilled at B rows. ``expects``.
 - ``GenerationMixin._beam_search`` (private), beam: fastgen's own loop. ``custom_generate`` is the
   public alternative but needs the user to opt in per call, against "one import". ``expects``.
+- ``GenerationMixin._sample`` (private), lean_step: wrapped, not replaced; for the call the model gets an
+  instance ``forward`` that runs one-token decode steps through the lean step. It relies on the loop calling
+  ``self.__call__`` with keyword model inputs and ``return_dict=True``, and reading ``.logits`` and the cache.
+  ``expects``; guard: ``tests/optimizer/test_lean_sample.py`` (greedy and seeded sampling equal to upstream).
 - ``GenerationMixin._assisted_decoding`` (private), speculative: upstream raises for batch > 1 inside
   it. ``expects``.
 - ``AttentionInterface.get_interface`` (public registry class), dedup: wrapping the lookup rather than

@@ -124,6 +124,21 @@ PATCHES += [
     ),
 ]
 
+# ---------------------------------------------------------------------------- lean_step
+# Greedy and sampling: upstream's loop, each one-token decode step of a BART-family model through the lean step
+# (fastgen.optimizer.transformers.lean_sample); on by default.
+PATCHES += [
+    Patch(
+        feature="lean_step",
+        target="transformers.generation.utils:GenerationMixin._sample",
+        factory="fastgen.optimizer.transformers.lean_sample:make_sample",
+        package="transformers",
+        versions=HF_VERSIONS,
+        requires=CONTRACT,
+        expects=("self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus"),
+    ),
+]
+
 # ---------------------------------------------------------------------------- speculative
 # Batched speculative decoding (BASS-PAD): assisted generation and prompt lookup at batch > 1, each
 # row accepting its own number of draft tokens (fastgen.optimizer.transformers.speculative). Upstream
