@@ -4,9 +4,9 @@ Why a content check: a weight can change without any sign torch keeps. ``weight.
 ``p.data.mul_(...)`` write through ``.data``, a tensor with its own version counter, so neither the
 parameter's ``_version`` nor its ``data_ptr()`` moves; a copy keyed on those two served stale weights.
 So each entry also keeps a *fingerprint* of the weight's bytes: a 128-bit hash in which every 32-bit word
-goes through murmur3's mixing (``fastgen_cpu::content_hash``, one pass at memory speed: ~10 ms for a
-50k x 768 vocabulary projection on one core), or BLAKE2b where fastgen's CPU kernels are not loaded
-(slower). An earlier fingerprint, each row's bits summed, missed edits that change every element alike
+goes through murmur3's mixing (``fastgen_cpu::content_hash``, one pass at memory speed: ~14 GB/s on one core
+of an Intel Xeon, 2.2 ms for the 32 MB of a 7.9M-parameter BART's linear weights), or BLAKE2b where fastgen's
+CPU kernels are not available (~0.6 GB/s). An earlier fingerprint, each row's bits summed, missed edits that change every element alike
 (``neg_()`` on an even width, ``mul_(2)`` on a width of 512): a hash has no such blind spot.
 
 The fingerprint is checked by :meth:`DerivedWeights.refresh`, which the scopes call once per
@@ -37,7 +37,9 @@ def stamp(weight: torch.Tensor) -> Stamp:
 def fingerprint(weight: torch.Tensor) -> tuple[int, ...]:
     """A 128-bit hash of the weight's bytes (with its dtype and shape): changes with any bit of any element."""
     tensor = weight.detach().contiguous()
-    if cpu_kernels.loaded() and hasattr(torch.ops.fastgen_cpu, "content_hash"):
+    # prebuilt or cached kernels are loaded here if they are not yet (never built): a first digest taken with
+    # BLAKE2b and later ones with the kernel would differ once and rebuild every derived weight
+    if cpu_kernels.available(build=False) and hasattr(torch.ops.fastgen_cpu, "content_hash"):
         digest = tuple(torch.ops.fastgen_cpu.content_hash(tensor).tolist())
     else:
         data = tensor.view(torch.uint8).reshape(-1).numpy() if tensor.numel() else b""
