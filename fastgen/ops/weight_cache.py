@@ -6,8 +6,9 @@ parameter's ``_version`` nor its ``data_ptr()`` moves; a copy keyed on those two
 So each entry also keeps a *fingerprint* of the weight's bytes: a 128-bit hash in which every 32-bit word
 goes through murmur3's mixing (``fastgen_cpu::content_hash``, one pass at memory speed: ~14 GB/s on one core
 of an Intel Xeon, 2.2 ms for the 32 MB of a 7.9M-parameter BART's linear weights), or BLAKE2b where fastgen's
-CPU kernels are not available (~0.6 GB/s). An earlier fingerprint, each row's bits summed, missed edits that change every element alike
-(``neg_()`` on an even width, ``mul_(2)`` on a width of 512): a hash has no such blind spot.
+CPU kernels are not available (~0.6 GB/s). An earlier fingerprint, each row's bits summed, missed edits that
+change every element alike (``neg_()`` on an even width, ``mul_(2)`` on a width of 512): a hash has no such
+blind spot.
 
 The fingerprint is checked by :meth:`DerivedWeights.refresh`, which the scopes call once per
 ``generate`` call (not per forward: that would add a pass over the weights to every step); between
