@@ -36,17 +36,32 @@ def _forward_inputs(model: transformers.PreTrainedModel) -> dict[str, torch.Tens
 # ---------------------------------------------------------------------------- torch.compile (item 3, 9)
 
 
+#: families whose "enabled" case runs in CI (one decoder-only, one encoder-decoder; both also run "unpatched").
+#: The other families' "enabled" cases are marked slow (two Dynamo traces, ~5-9 s each on CI's CPU): in CI,
+#: test_fullgraph_compile_of_every_family[family] traces the same patched forward on the same inputs (no_grad) with
+#: ``fullgraph=True``, which raises on any graph break, so a break fastgen added there still fails CI.
+EXPLAINED_IN_CI = ("llama", "t5")
+#: upstream's graph-break count of a family's forward (fastgen disabled): the same for both scopes
+_UPSTREAM_BREAKS: dict[str, int] = {}
+
+
 @pytest.mark.parametrize(
     "family, scope",
-    [(family, "enabled") for family in harness.HF_FAMILIES] + [("llama", "unpatched"), ("t5", "unpatched")],
+    [
+        pytest.param(family, "enabled", marks=() if family in EXPLAINED_IN_CI else pytest.mark.slow)
+        for family in harness.HF_FAMILIES
+    ]
+    + [("llama", "unpatched"), ("t5", "unpatched")],
 )
 def test_fastgen_adds_no_graph_break(family: str, scope: str) -> None:
     """Dynamo traces every tiny family's forward with fastgen as without it: no break added."""
     model = harness.tiny_hf_model(family)
     inputs = _forward_inputs(model)
-    with harness.fastgen_disabled():
-        dynamo.reset()
-        upstream = dynamo.explain(model)(**inputs).graph_break_count
+    if family not in _UPSTREAM_BREAKS:
+        with harness.fastgen_disabled():
+            dynamo.reset()
+            _UPSTREAM_BREAKS[family] = dynamo.explain(model)(**inputs).graph_break_count
+    upstream = _UPSTREAM_BREAKS[family]
     context = fastgen.unpatched() if scope == "unpatched" else fastgen.patched()
     with context:
         dynamo.reset()
