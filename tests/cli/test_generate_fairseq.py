@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(not HAS_FAIRSEQ, reason="fairseq is not installe
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return fairseq_setup.build(tmp_path_factory.mktemp("fairseq"))
+def setup(fairseq_paths: dict[str, Path]) -> dict[str, Path]:
+    return fairseq_paths  # tests/cli/conftest.py: built once, shared with test_generate_fairseq_errors.py
 
 
 def fastgen_generate(argv: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> str:

@@ -15,8 +15,9 @@ PRECIOUS = "an earlier run's output\n"
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return fairseq_setup.build(tmp_path_factory.mktemp("fairseq-errors"), test_size=6, configs={})
+def setup(fairseq_paths: dict[str, Path]) -> dict[str, Path]:
+    """The setup test_generate_fairseq.py compares on (tests/cli/conftest.py), not a second build (~10 s)."""
+    return fairseq_paths
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
