@@ -38,7 +38,11 @@ WORDS = [
     "tau",
 ]
 
+# No data-loader worker process (fairseq's default is one): a finished run's loader is shut down only when its
+# iterator is collected, in the next run of the same process, and waits 5 s there for the forked worker to
+# join. The batches are the same either way; test_same_output_as_fairseq_generate[beam-mode0] runs with one.
 COMMON = ["--batch-size", "8", "--required-batch-size-multiple", "1", "--cpu", "--max-len-b", "12"]
+COMMON += ["--num-workers", "0"]
 
 # name -> fairseq-generate arguments (after DATA --path CKPT and COMMON)
 CONFIGS: dict[str, list[str]] = {

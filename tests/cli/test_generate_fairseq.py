@@ -54,7 +54,7 @@ def upstream(setup: dict[str, Path], name: str) -> str:
 @pytest.mark.parametrize(
     ("name", "mode"),
     [
-        ("beam", ["--postprocess-workers", "1"]),  # a worker process
+        ("beam", ["--postprocess-workers", "1", "--num-workers", "1"]),  # a worker process, a data-loader worker
         ("beam", ["--no-pipeline"]),  # the synchronous path
         ("beam_nbest", ["--postprocess-workers", "0"]),  # post-processing in the background thread
         ("sampling", ["--postprocess-workers", "0"]),
