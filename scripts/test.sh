@@ -17,8 +17,9 @@ bash scripts/check_nvcc.sh
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "${FASTGEN_SITE_DIR:-site}"
 .venv/bin/python scripts/check_docs.py "${FASTGEN_SITE_DIR:-site}" README.md CHANGELOG.md
 bash scripts/smoke_wheel.sh
-# Triton kernels run under the interpreter on CPU (tests/conftest.py); slow tests stay out of CI.
-.venv/bin/python -m pytest -q -m "not slow" "$@"
+# Triton kernels run under the interpreter on CPU (tests/conftest.py); slow tests stay out of CI. The log ends
+# with the 25 slowest tests (setup and teardown included), so a test that grows shows up there.
+.venv/bin/python -m pytest -q -m "not slow" --durations=25 "$@"
 # Previous minor release: every fast path must still run there (-m fast_path asserts it through report()).
 VENV=.venv-previous TRANSFORMERS="transformers==${FASTGEN_PREVIOUS_TRANSFORMERS:-5.23.0}" bash scripts/setup.sh
 .venv-previous/bin/python -m pytest -q -m "fast_path and not slow" -p no:cacheprovider "$@"
