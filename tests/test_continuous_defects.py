@@ -252,15 +252,20 @@ def test_fastgen_features_selects_continuous_batching():
         "print(s.switched_on(), 'continuous' in fastgen.known_features())"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("FASTGEN_")}
-
-    def run(**extra: str) -> str:
-        command = [sys.executable, "-c", code]
-        return subprocess.run(command, capture_output=True, text=True, env=env | extra, check=True).stdout.strip()
-
-    assert run() == "True True"
-    assert run(FASTGEN_FEATURES="dedup,ngram") == "False True"
-    assert run(FASTGEN_FEATURES="continuous") == "True True"
-    assert run(FASTGEN_DISABLE="1") == "False True"
+    settings = [{}, {"FASTGEN_FEATURES": "dedup,ngram"}, {"FASTGEN_FEATURES": "continuous"}, {"FASTGEN_DISABLE": "1"}]
+    # Four fresh interpreters (each reads the environment at import, ~4 s of imports): started together.
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env | extra
+        )
+        for extra in settings
+    ]
+    outputs = []
+    for extra, run in zip(settings, runs, strict=True):
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, (extra, err[-2000:])
+        outputs.append(out.strip())
+    assert outputs == ["True True", "False True", "True True", "False True"]
 
 
 def test_the_cli_keeps_static_batches_when_switched_off(caplog):
