@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.cache_utils import DynamicLayer
 
 import fastgen
@@ -202,3 +203,59 @@ def test_other_transformers_releases_keep_upstreams_forward(monkeypatch):
     monkeypatch.setattr(lean_step.transformers, "__version__", "5.23.0")
     reason = lean_step.model_problem(harness.tiny_hf_model("bart"))
     assert reason == "Transformers 5.23.0 (the lean step reproduces 5.24's)"
+
+
+class _NewTensors(TorchDispatchMode):
+    """Records the shape of every tensor an op returns new (views and ``out=`` writes excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if all(ret.alias_info is None for ret in func._schema.returns):
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor):
+                    self.made.append(tuple(tensor.shape))
+        return out
+
+
+@pytest.mark.parametrize("num_beams", [2, 1])
+@pytest.mark.parametrize("lean", [True, False])
+def test_the_steps_allocate_the_same_tensors_whatever_the_length(lean, num_beams, monkeypatch):
+    """Under the lean step (beam search, and greedy) every decode step makes the same new tensors, of the same
+    shapes, at step 2 as at step 40 (the in-place cache grows only when its room doubles); upstream's
+    ``torch.cat`` makes a longer cache at every step, which the test sees (its control run)."""
+    model = harness.tiny_hf_model("bart")
+    inputs = harness.tiny_inputs(model, batch=2, length=8)
+    steps: list[list[tuple[int, ...]]] = []
+    grown: list[int] = []
+    adopt = GrowingLayer._adopt
+    monkeypatch.setattr(GrowingLayer, "_adopt", lambda self, *a, **k: grown.append(len(steps)) or adopt(self, *a, **k))
+    lean_forward, own_forward = lean_step.LeanDecodeStep.step, type(model).forward
+
+    def counted(run):
+        def step(*args, **kwargs):
+            with _NewTensors() as mode:
+                result = run(*args, **kwargs)
+            steps.append(mode.made)
+            return result
+
+        return step
+
+    if lean:
+        monkeypatch.setattr(lean_step.LeanDecodeStep, "step", counted(lean_forward))
+    else:
+        monkeypatch.setenv("FASTGEN_LEAN_STEP", "0")
+        monkeypatch.setattr(type(model), "forward", counted(own_forward))
+    # without gemm: its calibration and in-place trials serve some products by other ops from one step to the next
+    with fastgen.patched(sorted(set(fastgen.known_features()) - {"gemm", "fast_gemm", "int8"})), torch.no_grad():
+        model.generate(**inputs, num_beams=num_beams, min_new_tokens=40, max_new_tokens=40)
+    decode = [made for i, made in enumerate(steps) if i >= 2 and i not in grown]  # past the prefill and growth
+    assert len(decode) > 30
+    if lean:
+        assert all(sorted(made) == sorted(decode[0]) for made in decode), "a step made other tensors than the first"
+        assert not grown or len(set(grown)) <= 2  # the room doubled at most once past the first 32 positions
+    else:
+        assert any(sorted(made) != sorted(decode[0]) for made in decode)  # upstream's cat: a longer cache each step
