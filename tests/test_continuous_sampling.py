@@ -24,6 +24,7 @@ from fastgen.continuous.search import SearchState
 from fastgen.continuous.settings import FAMILIES, resolve
 from tests import continuous_cases, harness
 from tests.continuous_cases import make_inputs
+from tests.test_continuous_batching import POSITION_KINDS
 
 #: EOS gain per family (as the greedy/beam tests): samples end anywhere between 1 and the length limit
 EOS_GAIN = {
@@ -76,8 +77,24 @@ def mismatches(model, inputs, results, seeds, kwargs) -> list[int]:
     return [i for i, ids in enumerate(inputs) if not torch.equal(results[i], alone(model, ids, seeds[i], kwargs))]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("family", FAMILIES)
+#: as in tests/test_continuous_batching.py: every case in CI on one family per position adapter (POSITION_KINDS);
+#: the same-adapter families (mBART, Marian, Pegasus, mT5) run these two in CI, their other cells are slow.
+CASES_FOR_EVERY_FAMILY = ("plain", "temp0.7-topk10-ret3")
+
+
+@pytest.mark.parametrize(
+    "family, case",
+    [
+        pytest.param(
+            family,
+            case,
+            id=f"{family}-{case}",
+            marks=() if family in POSITION_KINDS or case in CASES_FOR_EVERY_FAMILY else pytest.mark.slow,
+        )
+        for case in CASES
+        for family in FAMILIES
+    ],
+)
 def test_each_input_equals_generate_alone_with_its_seed(models, family, case):
     model, kwargs = models[family], CASES[case]
     inputs = make_inputs()
