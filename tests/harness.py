@@ -503,3 +503,21 @@ def has_repeated_ngram(tokens: list[int], n: int) -> bool:
     """True when some n-gram occurs twice in ``tokens`` (the property n-gram blocking prevents)."""
     grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
     return len(grams) != len(set(grams))
+
+
+def family_case_grid(families, cases, in_ci) -> list:
+    """``pytest.param(family, case)`` for every pair (id ``family-case``), cases outer; a pair ``in_ci(family,
+    case)`` refuses is marked slow (it runs with ``-m slow``, not in CI)."""
+    return [
+        pytest.param(family, case, id=f"{family}-{case}", marks=() if in_ci(family, case) else pytest.mark.slow)
+        for case in cases
+        for family in families
+    ]
+
+
+def non_degenerate(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """``model``, after asserting that none of its matrices is constant (a tiny random model must not hide a
+    difference behind equal weights)."""
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight") and p.dim() == 2]
+    assert all(w.std() > 0.01 for w in weights), "a degenerate (constant) weight in the tiny model"
+    return model

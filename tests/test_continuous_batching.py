@@ -96,16 +96,7 @@ CASES_FOR_EVERY_FAMILY = ("greedy", "beam3-ret2-lp0.7-ngram")
 
 @pytest.mark.parametrize(
     "family, case",
-    [
-        pytest.param(
-            family,
-            case,
-            id=f"{family}-{case}",
-            marks=() if family in POSITION_KINDS or case in CASES_FOR_EVERY_FAMILY else pytest.mark.slow,
-        )
-        for case in CASES
-        for family in FAMILIES
-    ],
+    harness.family_case_grid(FAMILIES, CASES, lambda f, c: f in POSITION_KINDS or c in CASES_FOR_EVERY_FAMILY),
 )
 def test_matches_generate_alone(models, family, case):
     model, kwargs = models[family], CASES[case]

@@ -84,16 +84,7 @@ CASES_FOR_EVERY_FAMILY = ("plain", "temp0.7-topk10-ret3")
 
 @pytest.mark.parametrize(
     "family, case",
-    [
-        pytest.param(
-            family,
-            case,
-            id=f"{family}-{case}",
-            marks=() if family in POSITION_KINDS or case in CASES_FOR_EVERY_FAMILY else pytest.mark.slow,
-        )
-        for case in CASES
-        for family in FAMILIES
-    ],
+    harness.family_case_grid(FAMILIES, CASES, lambda f, c: f in POSITION_KINDS or c in CASES_FOR_EVERY_FAMILY),
 )
 def test_each_input_equals_generate_alone_with_its_seed(models, family, case):
     model, kwargs = models[family], CASES[case]

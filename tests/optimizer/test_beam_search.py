@@ -140,16 +140,7 @@ GRID_FAMILIES_IN_CI = ("bart", "t5", "whisper", "gpt2", "llama", "qwen3")
 
 @pytest.mark.parametrize(
     "family, case",
-    [
-        pytest.param(
-            family,
-            case,
-            id=f"{family}-{case}",
-            marks=pytest.mark.slow if case in GRID and family not in GRID_FAMILIES_IN_CI else (),
-        )
-        for case in [*CASES, *GRID]
-        for family in EOS_GAIN
-    ],
+    harness.family_case_grid(EOS_GAIN, [*CASES, *GRID], lambda f, c: c not in GRID or f in GRID_FAMILIES_IN_CI),
 )
 def test_matches_upstream(models, steps, family, case):
     model = models[family]
