@@ -225,6 +225,10 @@ def run(args: argparse.Namespace, argv: list[str], executor: Any = None) -> int:
         num_workers=cfg.dataset.num_workers,
         data_buffer_size=cfg.dataset.data_buffer_size,
     )
+    if getattr(epoch_itr, "persistent_workers", False):
+        # One pass over the data: fairseq's default keeps the data-loader workers alive for another epoch, and
+        # they outlived the call (a second call in the same process then waited ~5 s for them to go).
+        epoch_itr.persistent_workers = False
     batches = list(epoch_itr.frozen_batches)
     itr = epoch_itr.next_epoch_itr(shuffle=False)
     generator = task.build_generator(

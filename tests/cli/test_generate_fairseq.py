@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
 import random
 import re
 import subprocess
@@ -68,6 +69,7 @@ def test_same_output_as_fairseq_generate(setup, name, mode, capsys, monkeypatch)
     assert re.search(r"^Generate test with beam=\d+: ", expected, re.M)
     out = fastgen_generate(fairseq_setup.base_args(setup) + fairseq_setup.CONFIGS[name] + mode, capsys, monkeypatch)
     assert out == expected
+    assert multiprocessing.active_children() == []  # no data-loader or post-processing worker outlives the call
 
 
 def _has_repeated_bigram(line: str) -> bool:
