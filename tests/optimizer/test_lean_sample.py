@@ -138,3 +138,33 @@ def test_the_forward_serves_only_its_own_thread():
         assert "forward" in model.__dict__
     assert "forward" not in model.__dict__ and Refusing.steps == 0
     assert torch.equal(seen[0], expected)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(output_logits=True),
+        dict(output_hidden_states=True),
+        dict(num_return_sequences=2, do_sample=True, top_k=5),
+        dict(decoder_input_ids=torch.tensor([[harness.EOS, 5], [harness.EOS, 7]])),
+        dict(use_cache=False),
+    ],
+    ids=["logits", "hidden-states", "sampled-returns", "decoder-prompt", "no-cache"],
+)
+def test_what_upstream_returns_comes_back_alike(extra):
+    """Raw logits, decoder hidden states (their steps run the model's own forward), several sampled returns, a
+    decoder prompt, no cache: the outputs are upstream's."""
+    model = harness.tiny_hf_model("bart")  # fresh: output recording may leave hooks on a model's modules
+    inputs = harness.tiny_inputs(model, batch=2, length=8)
+    outs = []
+    for scope in (fastgen.unpatched(), fastgen.patched()):
+        with scope, torch.no_grad():
+            torch.manual_seed(0)
+            outs.append(model.generate(**inputs, max_new_tokens=6, return_dict_in_generate=True, **extra))
+    upstream, ours = outs
+    assert torch.equal(ours.sequences, upstream.sequences)
+    for name in ("logits", "decoder_hidden_states"):
+        if getattr(upstream, name, None) is not None:
+            flat = [torch.stack(s) if isinstance(s, tuple) else s for s in getattr(upstream, name)]
+            mine = [torch.stack(s) if isinstance(s, tuple) else s for s in getattr(ours, name)]
+            assert all(torch.equal(a, b) for a, b in zip(flat, mine, strict=True)), name
