@@ -521,3 +521,13 @@ def non_degenerate(model: transformers.PreTrainedModel) -> transformers.PreTrain
     weights = [p for name, p in model.named_parameters() if name.endswith("weight") and p.dim() == 2]
     assert all(w.std() > 0.01 for w in weights), "a degenerate (constant) weight in the tiny model"
     return model
+
+
+def generate_with_step(model, inputs, lean: bool, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> tuple[Any, Any]:
+    """``generate`` (scores returned, seed 0) with the lean decode step on or off (``FASTGEN_LEAN_STEP``), and its
+    :class:`fastgen.Report`."""
+    monkeypatch.setenv("FASTGEN_LEAN_STEP", "1" if lean else "0")
+    with fastgen.report() as report, torch.no_grad():
+        torch.manual_seed(0)
+        out = model.generate(**inputs, return_dict_in_generate=True, output_scores=True, **kwargs)
+    return out, report

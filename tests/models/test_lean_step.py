@@ -64,12 +64,7 @@ def test_one_step_equals_the_forward_bit_for_bit(model):
             assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
 
 
-def _generate(model, inputs, lean: bool, monkeypatch, **kwargs):
-    monkeypatch.setenv("FASTGEN_LEAN_STEP", "1" if lean else "0")
-    with fastgen.report() as report, torch.no_grad():
-        torch.manual_seed(0)
-        out = model.generate(**inputs, return_dict_in_generate=True, output_scores=True, **kwargs)
-    return out, report
+_generate = harness.generate_with_step
 
 
 CASES = {

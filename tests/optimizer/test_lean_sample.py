@@ -38,12 +38,7 @@ def model(request: pytest.FixtureRequest):
     return harness.non_degenerate(harness.tiny_hf_model(request.param))
 
 
-def _generate(model, inputs, lean: bool, monkeypatch, **kwargs):
-    monkeypatch.setenv("FASTGEN_LEAN_STEP", "1" if lean else "0")
-    with fastgen.report() as report, torch.no_grad():
-        torch.manual_seed(0)
-        out = model.generate(**inputs, return_dict_in_generate=True, output_scores=True, **kwargs)
-    return out, report
+_generate = harness.generate_with_step
 
 
 @pytest.mark.parametrize("case", CASES)
