@@ -319,6 +319,11 @@ def _drop_inputs(model_kwargs: dict[str, Any], keep: torch.Tensor, batch: int, b
 LEAN_ENV = "FASTGEN_LEAN_STEP"
 
 
+def lean_step_switched_off() -> bool:
+    """``FASTGEN_LEAN_STEP=0`` (or false/off/no): every decode step runs the model's own forward."""
+    return os.environ.get(LEAN_ENV, "1").strip().lower() in {"0", "false", "off", "no"}
+
+
 class _StepOutputs(dict):
     """What the loop reads of a forward's outputs (``.logits``, and the cache for the model kwargs)."""
 
@@ -335,7 +340,7 @@ def _lean_step(model: Any) -> Any:
     # hooks load other features' factories that import this (then partial) module.
     from fastgen.models import lean_step
 
-    if os.environ.get(LEAN_ENV, "1").strip().lower() in {"0", "false", "off", "no"}:
+    if lean_step_switched_off():
         return None
     reason = lean_step.model_problem(model)
     if reason is not None:

@@ -16,14 +16,13 @@ a forward someone else put on the instance keeps upstream's loop untouched (note
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from fastgen.optimizer import report
-from fastgen.optimizer.transformers.beam_search import LEAN_ENV, _StepOutputs
+from fastgen.optimizer.transformers.beam_search import LEAN_ENV, _StepOutputs, lean_step_switched_off
 
 FEATURE = "lean_step"
 
@@ -32,7 +31,7 @@ def _problem(model: Any, generation_config: Any, model_kwargs: dict[str, Any], s
     """Why this ``_sample`` call keeps the model's own forward at every step (None: the lean step can serve)."""
     from fastgen.models import lean_step  # imports transformers.modeling_utils: not at this module's import
 
-    if os.environ.get(LEAN_ENV, "1").strip().lower() in {"0", "false", "off", "no"}:
+    if lean_step_switched_off():
         return f"{LEAN_ENV}=0"
     reason = lean_step.model_problem(model)
     if reason is not None:
