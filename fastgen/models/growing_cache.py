@@ -45,14 +45,35 @@ class GrowingLayer(DynamicLayer):
             self._adopt(self.keys, self.values, extra=32)
             return self.keys, self.values
         new = key_states.shape[-2]
-        if self._length + new > self._buffers[0].shape[0]:
-            self._adopt(self.keys, self.values, extra=max(new, self._length))  # double the room
+        self.reserve(new)  # doubles the room when full
         end = self._length + new
         self._buffers[0][self._length : end] = key_states.permute(2, 0, 1, 3)
         self._buffers[1][self._length : end] = value_states.permute(2, 0, 1, 3)
-        self._length = end
-        self._publish()
+        self.advance(new)
         return self.keys, self.values
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def key_buffer(self) -> torch.Tensor:
+        """The time-major key buffer ``(capacity, rows, heads, dim)``; positions from :attr:`length` are free."""
+        return self._buffers[0]
+
+    @property
+    def value_buffer(self) -> torch.Tensor:
+        return self._buffers[1]
+
+    def reserve(self, new: int) -> None:
+        """Room for ``new`` more positions in the buffers (for a writer of its own: the compiled step)."""
+        if self._length + new > self._buffers[0].shape[0]:
+            self._adopt(self.keys, self.values, extra=max(new, self._length))
+
+    def advance(self, new: int) -> None:
+        """``new`` positions past :attr:`length` were written in the buffers: they are part of the cache now."""
+        self._length += new
+        self._publish()
 
     def _select_rows(self, indices: torch.Tensor) -> None:
         length = self._length

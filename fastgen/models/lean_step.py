@@ -30,8 +30,10 @@ from transformers.cache_utils import DynamicLayer, EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from fastgen.models.compiled_step import CompiledStep
 from fastgen.models.growing_cache import GrowingLayer, grow_in_place, plain_layers
 from fastgen.models.hooks import hooked
+from fastgen.optimizer import report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +140,7 @@ class LeanDecodeStep:
         self._encoder_mask: Any = None
         self._self_mask_checked = False
         self._grown: list[Any] = []  # self-attention caches whose layers grow in place
+        self._compiled: CompiledStep | None = None  # the call's C++ program, once every linear has chosen its op
 
     def finish(self) -> None:
         """Give the caches this step grew upstream's plain layers back (the call is over)."""
@@ -185,6 +188,11 @@ class LeanDecodeStep:
             positions = decoder.embed_positions(tuple(embeds.shape[:-1]), cache_length, position_ids=position_ids)
         return embeds, embeds + positions
 
+    def _masks_stale(self, rows: int, encoder_mask: Any) -> bool:
+        """Whether :meth:`_masks` has work: the call's first step, a new encoder mask or fewer rows."""
+        seen = self._encoder_mask_for
+        return not self._self_mask_checked or seen is None or seen[0] is not encoder_mask or seen[1] != rows
+
     def _masks(self, embeds: torch.Tensor, cache: EncoderDecoderCache, model_inputs: dict[str, Any]) -> str | None:
         config = self.decoder.config
         if not self._self_mask_checked:
@@ -197,8 +205,7 @@ class LeanDecodeStep:
                 return "a self-attention mask"
             self._self_mask_checked = True
         encoder_mask = model_inputs.get("attention_mask")
-        seen = self._encoder_mask_for
-        if seen is None or seen[0] is not encoder_mask or seen[1] != embeds.shape[0]:  # new call or fewer inputs
+        if self._masks_stale(embeds.shape[0], encoder_mask):
             self._encoder_mask = create_bidirectional_mask(
                 config=config,
                 inputs_embeds=embeds,
@@ -227,6 +234,17 @@ class LeanDecodeStep:
         out, _ = attend(attention, query, cross.keys, cross.values, mask, dropout=0.0, scaling=scaling)
         return attention.out_proj(out.reshape(*input_shape, -1).contiguous())
 
+    def _compiled_step(self, attend: Any) -> CompiledStep | None:
+        """The C++ program of this call when it can serve (built at the first step where every linear has
+        chosen its op; a reason it cannot is noted once and kept)."""
+        compiled = self._compiled
+        if compiled is None or compiled.retry:
+            compiled = self._compiled = CompiledStep(self, attend)
+            if not compiled.retry:
+                what = "compiled (C++)" if compiled.program is not None else f"Python ({compiled.problem})"
+                report.note_ran("lean_step", f"decode step: {what}")
+        return compiled if compiled.program is not None else None
+
     def step(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, EncoderDecoderCache] | None:
         """The logits of this step (None: run upstream's forward instead, the inputs being outside the step)."""
         if self.inputs_problem(model_inputs) is not None:
@@ -234,17 +252,24 @@ class LeanDecodeStep:
         ids = model_inputs["decoder_input_ids"]
         cache: EncoderDecoderCache = model_inputs.get("cache", model_inputs.get("past_key_values"))
         cache_length = cache.get_seq_length()
-        embeds, hidden = self._embed(ids, cache_length)
-        if self._masks(embeds, cache, model_inputs) is not None:
-            return None
+        if self._masks_stale(ids.shape[0], model_inputs.get("attention_mask")):
+            embeds, _ = self._embed(ids, cache_length)  # the masks read its shape, dtype and device
+            if self._masks(embeds, cache, model_inputs) is not None:
+                return None
         decoder = self.decoder
         if not any(cache.self_attention_cache is grown for grown in self._grown):
             grow_in_place(cache.self_attention_cache)  # K/V written in place from here on (growing_cache)
             self._grown.append(cache.self_attention_cache)
-        if self.family.layernorm_embedding:
-            hidden = decoder.layernorm_embedding(hidden)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(decoder.config._attn_implementation, None)
         self_cache, cross_cache = cache.self_attention_cache, cache.cross_attention_cache
+        compiled = self._compiled_step(attend)
+        if compiled is not None and all(type(layer) is GrowingLayer for layer in self_cache.layers):
+            crosses = cross_cache.layers
+            if CompiledStep.mask_problem(self._encoder_mask, crosses[0].keys.shape[0]) is None:
+                return compiled.step(ids, self_cache.layers, crosses, self._encoder_mask), cache
+        embeds, hidden = self._embed(ids, cache_length)
+        if self.family.layernorm_embedding:
+            hidden = decoder.layernorm_embedding(hidden)
         input_shape = hidden.shape[:-1]
         pre = self.family.pre_norm
         step = (self_cache, cross_cache, attend, input_shape)

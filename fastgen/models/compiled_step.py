@@ -1,0 +1,201 @@
+"""The lean decode step run from C++ (``fastgen_cpu.DecoderStep``, ``csrc/cpu/decoder_step.cpp``).
+
+Why: on a small model the step's Python costs as much as its kernels. The lean step
+(:mod:`fastgen.models.lean_step`) removed the module tree's glue but still calls ~30 ops per layer from
+Python, each linear through its mode's dispatch. Here, once per ``generate`` call, the decoder's tensors
+and each linear's op (the int8 mode's packed weight and AMX/VNNI kernel) go into a C++ program, and every
+later step is one call: the same kernels in the same order, so the logits are the lean step's bits.
+
+It serves where every op of the step is one it reproduces: the ``int8`` mode with fastgen's own int8
+kernels on every decoder linear and the LM head (the activation fused into ``fc1``), fastgen's CPU
+attention (the fast modes' attention), no hooks on any module of the step, and a cross-attention mask
+that is absent or one row per input. Anything else — the exact and ``fast_gemm`` modes among them —
+keeps the Python lean step, which gives the same results. ``FASTGEN_COMPILED_STEP=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from fastgen.models.hooks import hooked
+
+ENV = "FASTGEN_COMPILED_STEP"
+_KINDS = {"amx": 1, "vnni": 2}  # the C++ class's linear kinds for fastgen's own int8 ops
+_ATTENTION_KERNEL = 1
+_OFF = ("0", "false", "off", "no")
+NOT_CHOSEN = "an int8 weight before its first product"
+
+
+def switched_off() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() in _OFF
+
+
+def _class() -> Any:
+    """``torch.classes.fastgen_cpu.DecoderStep`` when the CPU kernels are loaded (never builds them)."""
+    from fastgen.ops import cpu_kernels
+
+    if not cpu_kernels.loaded() and not cpu_kernels.available(build=False):
+        return None
+    try:
+        return torch.classes.fastgen_cpu.DecoderStep
+    except (AttributeError, RuntimeError):  # kernels built from sources without the class
+        return None
+
+
+def _linears(layer: Any) -> list[Any]:
+    self_attn, cross = layer.self_attn, layer.encoder_attn
+    return [
+        self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.out_proj,
+        cross.q_proj, cross.out_proj, layer.fc1, layer.fc2,
+    ]  # fmt: skip
+
+
+def _int8_op(module: Any, fused: dict[int, Any]) -> tuple[Any, ...] | str:
+    """(kind, packed, bias, scale, col_sums, out_features, activation) of the int8 op ``module`` runs, or why not."""
+    from fastgen.ops import int8_linear
+    from fastgen.optimizer import fused_activation, linear_modes
+
+    if linear_modes.installed(module) != linear_modes.INT8.feature or not linear_modes._entered_here(module):
+        return "a linear outside the int8 mode"
+    prepared = linear_modes._int8_weights.get(module)
+    if getattr(prepared, "_codes", None) is not None:
+        return NOT_CHOSEN
+    if prepared.kind not in _KINDS:
+        return f"an int8 weight on the {prepared.kind} path"
+    if int8_linear.GRID == "symmetric":
+        return "the symmetric int8 grid"
+    activation = 0
+    entry = fused.get(id(module))
+    if entry is not None:
+        if not fused_activation.may_fuse(module, entry[0]):
+            return "an activation that cannot be fused"
+        activation = entry[1]
+    bias = module.bias
+    if bias is not None:
+        bias = bias.detach().contiguous()
+    return (_KINDS[prepared.kind], prepared.packed, bias, prepared.scale, prepared.col_sums,
+            prepared.out_features, activation)  # fmt: skip
+
+
+#: the attention the lean step gets in the fast modes: fastgen's beam-shared K/V wrapper (whose calls take
+#: fastgen's CPU attention there), maybe inside the shared-prompt wrapper (a no-op for these keys), around SDPA
+_FASTGEN_SDPA = (
+    ("attention_with_shared_prefix", "attention_with_shared_kv", "sdpa_attention_forward"),
+    ("attention_with_shared_kv", "sdpa_attention_forward"),
+)
+
+
+def _fastgen_sdpa(attend: Any) -> bool:
+    names = []
+    while attend is not None and len(names) < 8:
+        names.append(getattr(getattr(attend, "__code__", None), "co_name", None))
+        if names[-1] == "sdpa_attention_forward" and attend.__module__ != "transformers.integrations.sdpa_attention":
+            return False
+        attend = getattr(attend, "__wrapped__", None)
+    return tuple(names) in _FASTGEN_SDPA
+
+
+class CompiledStep:
+    """One ``generate`` call's C++ program, or the reason it cannot run (:attr:`problem`)."""
+
+    def __init__(self, lean: Any, attend: Any) -> None:
+        self.program: Any = None
+        self.retry = False  # a linear has not chosen its op yet: build again at the next step
+        self.problem = self._build(lean, attend)
+
+    def _build(self, lean: Any, attend: Any) -> str | None:
+        from fastgen.ops import cpu_attention
+        from fastgen.optimizer import linear_modes
+
+        if switched_off():
+            return f"{ENV}=0"
+        cls = _class()
+        if cls is None:
+            return "fastgen's CPU kernels are not loaded"
+        model, decoder, family = lean.model, lean.decoder, lean.family
+        if not _fastgen_sdpa(attend):
+            return "attention other than fastgen's around SDPA"
+        if cpu_attention.unavailable_reason() is not None:
+            return "fastgen's CPU attention is off"
+        layers = list(decoder.layers)
+        attentions = [m for layer in layers for m in (layer.self_attn, layer.encoder_attn)]
+        if not all(linear_modes.approximate_here(m) for m in attentions):
+            return "the exact attention (not an approximate mode)"
+        if len({(a.num_heads, a.head_dim, a.scaling) for a in attentions}) != 1:
+            return "attention modules of different shapes"
+        heads, head_dim, scaling = attentions[0].num_heads, attentions[0].head_dim, attentions[0].scaling
+        if head_dim != 64:
+            return f"head size {head_dim}"
+        embed = decoder.embed_tokens
+        if type(embed) is torch.nn.Embedding and family.scale_outside_embedding:
+            embed_scale = decoder.embed_scale
+        elif type(embed).__name__.endswith("ScaledWordEmbedding") and not family.scale_outside_embedding:
+            embed_scale = embed.embed_scale
+        else:
+            return f"token embedding {type(embed).__name__}"
+        positions = decoder.embed_positions
+        offset = getattr(positions, "offset", 0) if family.positions == "learned" else 0
+        norms = [
+            n for layer in layers for n in (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
+        ]
+        if family.layernorm_embedding:
+            norms.insert(0, decoder.layernorm_embedding)
+        if family.pre_norm:
+            norms.append(decoder.layer_norm)
+        if any(type(n) is not torch.nn.LayerNorm or n.weight is None or n.bias is None for n in norms):
+            return "a layer norm without weight and bias"
+        if len({n.eps for n in norms}) != 1 or any(tuple(n.normalized_shape) != (n.weight.shape[0],) for n in norms):
+            return "layer norms of different kinds"
+        linears = [lin for layer in layers for lin in _linears(layer)] + [model.lm_head]
+        modules = [embed, positions, *norms, *linears, *(layer.activation_fn for layer in layers)]
+        if any(hooked(m) for m in modules):
+            return "hooks on a module of the step"
+        fused = linear_modes._fused_activations
+        ops = [_int8_op(lin, fused) for lin in linears]
+        reason = next((op for op in ops if isinstance(op, str)), None)
+        if reason is not None:
+            self.retry = reason == NOT_CHOSEN
+            return reason
+        if any(ops[i][6] == 0 for i in range(6, len(ops) - 1, 8)):
+            return "fc1 without its activation fused"
+        tensors = [embed.weight, positions.weight]
+        tensors += [t for n in norms for t in (n.weight, n.bias)]
+        tensors.append(model.final_logits_bias)
+        shape = [len(layers), heads, head_dim, int(family.pre_norm), int(family.layernorm_embedding), offset, _ATTENTION_KERNEL]
+        program = cls(shape, [float(embed_scale), float(norms[0].eps), float(scaling)], [t.detach() for t in tensors])
+        for index, (kind, packed, bias, scale, col_sums, out_features, activation) in enumerate(ops):
+            program.set_linear(index, kind, packed, bias, scale, col_sums, out_features, activation)
+        self.program = program
+        return None
+
+    @staticmethod
+    def mask_problem(mask: Any, inputs: int) -> str | None:
+        """Why the cross-attention mask is one the program cannot take (None: it can)."""
+        if mask is None:
+            return None
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[2] != 1 or mask.shape[0] not in (1, inputs):
+            return "a cross-attention mask of another layout"
+        if mask.dtype not in (torch.bool, torch.float32) or mask.device.type != "cpu":
+            return "a cross-attention mask of another type"
+        return None
+
+    def step(self, ids: torch.Tensor, self_layers: list[Any], cross_layers: list[Any], mask: Any) -> torch.Tensor:
+        """The step's logits; grows each self-attention layer by the step's position (its K/V written in place)."""
+        for layer in self_layers:
+            layer.reserve(1)
+        length = self_layers[0].length
+        logits = self.program.step(
+            ids,
+            length,
+            [layer.key_buffer for layer in self_layers],
+            [layer.value_buffer for layer in self_layers],
+            [layer.keys for layer in cross_layers],
+            [layer.values for layer in cross_layers],
+            mask,
+        )
+        for layer in self_layers:
+            layer.advance(1)
+        return logits
