@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fastgen.models.hooks import hooked
+from fastgen.ops import cpu_attention
 
 ENV = "FASTGEN_COMPILED_STEP"
 _KINDS = {"amx": 1, "vnni": 2}  # the C++ class's linear kinds for fastgen's own int8 ops
@@ -103,11 +104,11 @@ class CompiledStep:
 
     def __init__(self, lean: Any, attend: Any) -> None:
         self.program: Any = None
+        self.head_dim = 0
         self.retry = False  # a linear has not chosen its op yet: build again at the next step
         self.problem = self._build(lean, attend)
 
     def _build(self, lean: Any, attend: Any) -> str | None:
-        from fastgen.ops import cpu_attention
         from fastgen.optimizer import linear_modes
 
         if switched_off():
@@ -127,8 +128,7 @@ class CompiledStep:
         if len({(a.num_heads, a.head_dim, a.scaling) for a in attentions}) != 1:
             return "attention modules of different shapes"
         heads, head_dim, scaling = attentions[0].num_heads, attentions[0].head_dim, attentions[0].scaling
-        if head_dim != 64:
-            return f"head size {head_dim}"
+        self.head_dim = head_dim
         embed = decoder.embed_tokens
         if type(embed) is torch.nn.Embedding and family.scale_outside_embedding:
             embed_scale = decoder.embed_scale
@@ -171,16 +171,28 @@ class CompiledStep:
         self.program = program
         return None
 
-    @staticmethod
-    def mask_problem(mask: Any, inputs: int) -> str | None:
-        """Why the cross-attention mask is one the program cannot take (None: it can)."""
+    def takes(self, rows: int, cross_keys: torch.Tensor, mask: Any) -> bool:
+        """Whether this step's cross-attention is one the program runs as the Python step would: through
+        fastgen's CPU attention (:func:`fastgen.ops.cpu_attention.supports` for ``rows // inputs`` query rows per
+        input), with no mask or one row per input."""
+        inputs, length = cross_keys.shape[0], cross_keys.shape[2]
+        if not inputs or rows % inputs or cross_keys.stride(-1) != 1:
+            return False
+        group = rows // inputs
+        if not (self.head_dim == 64 or group == 1 or (self.head_dim == 128 and group <= cpu_attention.FEW_QUERY_ROWS)):
+            return False
         if mask is None:
-            return None
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[2] != 1 or mask.shape[0] not in (1, inputs):
-            return "a cross-attention mask of another layout"
-        if mask.dtype not in (torch.bool, torch.float32) or mask.device.type != "cpu":
-            return "a cross-attention mask of another type"
-        return None
+            return True
+        return (
+            isinstance(mask, torch.Tensor)
+            and mask.dim() == 4
+            and mask.shape[0] in (1, inputs)
+            and mask.shape[1] in (1, cross_keys.shape[1])
+            and mask.shape[2] == 1
+            and mask.shape[3] == length
+            and mask.dtype in (torch.bool, torch.float32)
+            and mask.device.type == "cpu"
+        )
 
     def step(self, ids: torch.Tensor, self_layers: list[Any], cross_layers: list[Any], mask: Any) -> torch.Tensor:
         """The step's logits; grows each self-attention layer by the step's position (its K/V written in place)."""

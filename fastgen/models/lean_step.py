@@ -265,7 +265,7 @@ class LeanDecodeStep:
         compiled = self._compiled_step(attend)
         if compiled is not None and all(type(layer) is GrowingLayer for layer in self_cache.layers):
             crosses = cross_cache.layers
-            if CompiledStep.mask_problem(self._encoder_mask, crosses[0].keys.shape[0]) is None:
+            if compiled.takes(ids.shape[0], crosses[0].keys, self._encoder_mask):
                 return compiled.step(ids, self_cache.layers, crosses, self._encoder_mask), cache
         embeds, hidden = self._embed(ids, cache_length)
         if self.family.layernorm_embedding:

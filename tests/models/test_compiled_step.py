@@ -1,0 +1,154 @@
+"""The compiled decode step (fastgen.models.compiled_step, csrc/cpu/decoder_step.cpp): the Python lean step's bits.
+
+In the int8 mode with fastgen's own int8 kernels, ``generate`` with ``FASTGEN_COMPILED_STEP=1`` must return
+exactly what it returns with ``=0`` (the Python lean step, itself upstream's step op for op): every step's
+scores ``torch.equal``, the tokens and sequence scores too, over beam search (beam-shared cross K/V), greedy,
+sampling with a seed, padded inputs, inputs that finish at different steps and a generation long enough to
+grow the self-attention buffers. The report says which step ran; anything the program does not reproduce
+(the exact mode, hooks on a module of the step, the switch) keeps the Python step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastgen
+from fastgen.models import compiled_step
+from fastgen.ops import int8_linear
+from fastgen.optimizer import linear_modes
+from tests import harness
+
+pytestmark = [harness.requires_feature("beam"), harness.requires_feature("int8")]
+
+FAMILIES = ("bart", "marian", "mbart", "pegasus")
+COMPILED = "decode step: compiled (C++)"
+
+
+def _own_int8_kinds() -> list[str]:
+    return [kind for kind, ready in (("vnni", int8_linear.has_vnni_kernel), ("amx", int8_linear.has_amx_kernel)) if ready()]
+
+
+@pytest.fixture(params=["vnni", "amx"])
+def int8_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """fastgen's own int8 op of this kind on every linear (skipped where the CPU has no such op)."""
+    if request.param not in _own_int8_kinds():
+        pytest.skip(f"no {request.param} int8 op on this CPU")
+    monkeypatch.setenv(int8_linear.BACKEND_ENV, request.param)
+    linear_modes.forget_int8()
+    yield request.param
+    linear_modes.forget_int8()
+
+
+_models: dict[str, object] = {}
+
+
+def _model(family: str):
+    """A tiny model with 64-wide heads (fastgen's CPU attention takes beam-grouped queries at that size)."""
+    if family not in _models:
+        _models[family] = harness.non_degenerate(
+            harness.tiny_hf_model(family, d_model=128, encoder_attention_heads=2, decoder_attention_heads=2)
+        )
+    return _models[family]
+
+
+DEFAULT = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES)
+
+
+def _generate(model, inputs, compiled: bool, monkeypatch, features=("int8",), **kwargs):
+    monkeypatch.setenv(compiled_step.ENV, "1" if compiled else "0")
+    with fastgen.patched([*DEFAULT, *features]), fastgen.report() as report, torch.no_grad():
+        torch.manual_seed(0)
+        out = model.generate(**inputs, return_dict_in_generate=True, output_scores=True, **kwargs)
+    return out, report
+
+
+def _assert_identical(ours, theirs):
+    assert torch.equal(ours.sequences, theirs.sequences)
+    if getattr(theirs, "sequences_scores", None) is not None:
+        assert torch.equal(ours.sequences_scores, theirs.sequences_scores)
+    for a, b in zip(ours.scores, theirs.scores, strict=True):  # every step's log-probabilities
+        assert torch.equal(a, b)
+
+
+CASES = {
+    "beam4": dict(num_beams=4, max_new_tokens=8),
+    "beam3-ngram2-two-returned": dict(num_beams=3, no_repeat_ngram_size=2, num_return_sequences=2, max_new_tokens=8),
+    "beam4-early-eos": dict(num_beams=4, max_new_tokens=10, eos_token_id=[harness.EOS, 7, 11], length_penalty=0.5),
+    "greedy": dict(max_new_tokens=8),
+    "sampling": dict(do_sample=True, top_k=20, max_new_tokens=8),
+    "beam2-past-the-buffer": dict(num_beams=2, max_new_tokens=40, min_new_tokens=40),
+}
+
+
+def _in_ci(family: str, case: str) -> bool:
+    return family == "bart" or case in ("beam4", "greedy")
+
+
+@pytest.mark.parametrize(("family", "case"), harness.family_case_grid(FAMILIES, CASES, _in_ci))
+def test_the_compiled_step_returns_the_python_steps_bits(family, case, int8_kind, monkeypatch):
+    model = _model(family)
+    inputs = harness.tiny_inputs(model, batch=3, length=10)  # padded: a cross-attention mask
+    python, _ = _generate(model, inputs, False, monkeypatch, **CASES[case])
+    compiled, report = _generate(model, inputs, True, monkeypatch, **CASES[case])
+    assert COMPILED in report.ran.get("lean_step", []), report
+    _assert_identical(compiled, python)
+
+
+def test_finished_inputs_leave_the_batch_under_the_compiled_step(int8_kind, monkeypatch):
+    """Without per-step scores fastgen's beam loop drops finished inputs: the program sees fewer rows."""
+    model = _model("bart")
+    inputs = harness.tiny_inputs(model, batch=4, length=10)
+    kwargs = dict(num_beams=3, max_new_tokens=16, eos_token_id=list(range(3, 30)), early_stopping=True)
+    outs = []
+    for compiled in (False, True):
+        monkeypatch.setenv(compiled_step.ENV, "1" if compiled else "0")
+        with fastgen.patched([*DEFAULT, "int8"]), fastgen.report() as report, torch.no_grad():
+            outs.append(model.generate(**inputs, **kwargs))
+    assert "finished inputs left the batch" in report.ran.get("beam", [])
+    assert COMPILED in report.ran.get("lean_step", [])
+    assert torch.equal(outs[0], outs[1])
+
+
+def _python_reason(report) -> str:
+    entries = [entry for entry in report.ran.get("lean_step", []) if entry.startswith("decode step: Python")]
+    assert entries and COMPILED not in report.ran.get("lean_step", []), report
+    return entries[0]
+
+
+def test_the_exact_mode_keeps_the_python_step(monkeypatch):
+    model = _model("bart")
+    inputs = harness.tiny_inputs(model, batch=2, length=8)
+    _, report = _generate(model, inputs, True, monkeypatch, features=(), num_beams=2, max_new_tokens=4)
+    assert "not an approximate mode" in _python_reason(report)
+
+
+def test_the_switch_keeps_the_python_step(int8_kind, monkeypatch):
+    model = _model("bart")
+    inputs = harness.tiny_inputs(model, batch=2, length=8)
+    _, report = _generate(model, inputs, False, monkeypatch, num_beams=2, max_new_tokens=4)
+    assert compiled_step.ENV in _python_reason(report)
+
+
+def test_a_hook_on_a_linear_keeps_the_python_step_and_sees_every_step(int8_kind, monkeypatch):
+    model = _model("bart")
+    calls = []
+    handle = model.get_decoder().layers[0].fc1.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        inputs = harness.tiny_inputs(model, batch=2, length=8)
+        out, report = _generate(model, inputs, True, monkeypatch, num_beams=2, max_new_tokens=4)
+    finally:
+        handle.remove()
+    assert "hooks on a module of the step" in _python_reason(report)
+    assert len(calls) == out.sequences.shape[1] - 1  # every decoder call, the first (upstream's forward) included
+
+
+def test_beams_wider_than_the_kernel_takes_keep_the_python_step(int8_kind, monkeypatch):
+    """16-wide heads with 4 beams: fastgen's CPU attention leaves the grouped cross-attention to SDPA, which the
+    program does not run, so every step stays Python's (and the report says the program was built)."""
+    model = harness.non_degenerate(harness.tiny_hf_model("bart"))
+    assert model.config.d_model // model.config.decoder_attention_heads not in (64, 128)
+    inputs = harness.tiny_inputs(model, batch=2, length=8)
+    python, _ = _generate(model, inputs, False, monkeypatch, num_beams=4, max_new_tokens=5)
+    compiled, _ = _generate(model, inputs, True, monkeypatch, num_beams=4, max_new_tokens=5)
+    _assert_identical(compiled, python)
