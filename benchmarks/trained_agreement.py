@@ -9,8 +9,9 @@ wrote; its held-out cross-entropy and predictive entropy (masked and copied toke
 with the results. Candidates decode the same test batches with the same settings
 (``train_small_model.GENERATE``, natural end at ``</s>``): upstream Transformers (``fastgen.unpatched()``,
 the reference), fastgen's default (exact) features, the same with upstream's forward at every step
-(``fastgen_exact_upstream_step``: ``FASTGEN_LEAN_STEP=0``, what the lean decode step saves), fastgen +
-``fast_gemm``, fastgen + ``int8`` where fastgen knows that feature, and CTranslate2 float32 and int8_float32
+(``fastgen_exact_upstream_step``: ``FASTGEN_LEAN_STEP=0``, what the lean decode step saves), the exact and
+int8 modes with the lean step in Python (``*_python_step``: ``FASTGEN_COMPILED_STEP=0``, what the compiled
+step saves), fastgen + ``fast_gemm``, fastgen + ``int8`` where fastgen knows that feature, and CTranslate2 float32 and int8_float32
 on the converted model.
 
 Per candidate: the share of sentences whose generated ids equal upstream's, the share of positions that
@@ -57,12 +58,14 @@ from fastgen.ops import int8_linear
 #: fastgen.optimizer.transformers.beam_search.LEAN_ENV (importing that module here, before Transformers'
 #: generation module, would run the patches' import hooks while it is half imported)
 LEAN_ENV = "FASTGEN_LEAN_STEP"
+COMPILED_ENV = "FASTGEN_COMPILED_STEP"  # fastgen.models.compiled_step.ENV
 
 MODES = {"beam4": 4, "greedy": 1}
 DEFAULT = sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES)
 # The engine each candidate is quantized from: its agreement with that engine isolates the quantization.
 FP32_OF = {
     "fastgen_int8": "upstream",
+    "fastgen_int8_python_step": "upstream",
     "fastgen_int8_symmetric": "upstream",
     "ctranslate2_int8_float32": "ctranslate2_float32",
 }
@@ -80,10 +83,12 @@ def hf_features() -> dict[str, list[str] | None]:
         "upstream": None,
         "fastgen_exact": DEFAULT,
         "fastgen_exact_upstream_step": DEFAULT,
+        "fastgen_exact_python_step": DEFAULT,
         "fastgen_fast": [*DEFAULT, "fast_gemm"],
     }
     if "int8" in fastgen.known_features():
         candidates["fastgen_int8"] = [*DEFAULT, "int8"]
+        candidates["fastgen_int8_python_step"] = [*DEFAULT, "int8"]
         if hasattr(int8_linear, "GRID"):  # the earlier, symmetric activation grid (CTranslate2's)
             candidates["fastgen_int8_symmetric"] = [*DEFAULT, "int8"]
     return candidates
@@ -91,19 +96,22 @@ def hf_features() -> dict[str, list[str] | None]:
 
 @contextmanager
 def decode_step(name: str) -> Iterator[None]:
-    """``*_upstream_step`` candidates: fastgen with upstream's forward at every step (no lean decode step)."""
-    if not name.endswith("_upstream_step"):
+    """``*_upstream_step`` candidates: fastgen with upstream's forward at every step (no lean decode step);
+    ``*_python_step``: the lean step in Python (not the compiled one)."""
+    switch = {"_upstream_step": LEAN_ENV, "_python_step": COMPILED_ENV}
+    env = next((env for suffix, env in switch.items() if name.endswith(suffix)), None)
+    if env is None:
         yield
         return
-    previous = os.environ.get(LEAN_ENV)
-    os.environ[LEAN_ENV] = "0"
+    previous = os.environ.get(env)
+    os.environ[env] = "0"
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop(LEAN_ENV, None)
+            os.environ.pop(env, None)
         else:
-            os.environ[LEAN_ENV] = previous
+            os.environ[env] = previous
 
 
 @contextmanager

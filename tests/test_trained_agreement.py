@@ -79,16 +79,18 @@ def test_agreement_script_exact_mode_equals_upstream(model_dir, tmp_path):
         assert mode["copy_baseline"].keys() == {"bleu", "chrf"}
         candidates = mode["candidates"]
         assert {"upstream", "fastgen_exact", "fastgen_fast"} <= candidates.keys()
-        for exact in ("fastgen_exact", "fastgen_exact_upstream_step"):  # with and without the lean decode step
+        for exact in ("fastgen_exact", "fastgen_exact_upstream_step", "fastgen_exact_python_step"):  # each step
             assert candidates[exact]["vs_upstream"] == {"sequence_match": 1.0, "token_agreement": 1.0}
         assert all({"bleu", "chrf", "median_wall_seconds", "vs_upstream"} <= c.keys() for c in candidates.values())
         assert ("fastgen_int8" in candidates) == report["int8_feature"]
 
 
-def test_the_lean_step_switch_is_the_loops():
+def test_the_step_switches_are_fastgens():
+    from fastgen.models import compiled_step
     from fastgen.optimizer.transformers import beam_search
 
     assert trained_agreement.LEAN_ENV == beam_search.LEAN_ENV
+    assert trained_agreement.COMPILED_ENV == compiled_step.ENV
 
 
 def test_agreement_and_the_paired_test():

@@ -7,16 +7,19 @@
 // lean step ~4.4 ms, the same kernels called from a flat Python loop ~2.7 ms.
 //
 // The class holds a program built once per generate call (fastgen.models.compiled_step): the decoder's
-// tensors and, for each linear, the op the call's mode chose for it (int8 AMX / VNNI with the packed
-// weight, or ATen's linear). step() computes exactly what the Python lean step computes, op for op and in
-// the same order, calling the same kernels (fastgen_cpu ops through the dispatcher, ATen for the rest), so
-// the logits are the same bits (tests/models/test_compiled_step.py compares them).
+// tensors and, for each linear, the op the call's mode runs for it: the int8 mode's AMX / VNNI op with the
+// packed weight, or in the exact mode ATen's linear or fastgen's ordered kernel with the summation order
+// its calibration proved equal to F.linear. Attention is fastgen's CPU kernel in the int8 mode and SDPA,
+// called as Transformers' sdpa_attention_forward calls it, in the exact mode. step() computes exactly what
+// the Python lean step computes, op for op and in the same order, with the same kernels (fastgen_cpu ops
+// through the dispatcher, ATen for the rest), so the logits are the same bits
+// (tests/models/test_compiled_step.py compares them, and the exact mode's with upstream).
 //
 // Per layer (post-norm: BART, Marian; pre-norm: mBART, Pegasus normalise each sublayer's input):
 //   self-attention: q, k, v projections; K/V written in place at the step's position of the time-major
 //   cache buffers (T, rows, heads, dim) (fastgen.models.growing_cache); attention over the filled prefix;
 //   cross-attention over each input's cached K/V, an input's beams as extra query rows (beam-shared K/V);
-//   feed-forward fc2(act(fc1(x))), the activation fused into fc1's int8 op.
+//   feed-forward fc2(act(fc1(x))), the activation fused into fc1's int8 op in the int8 mode.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -30,10 +33,12 @@
 namespace {
 
 // linear kinds
-constexpr int64_t kAtenLinear = 0;
+constexpr int64_t kAtenLinear = 0;  // F.linear (the exact mode where its calibration kept MKL)
 constexpr int64_t kInt8Amx = 1;
 constexpr int64_t kInt8Vnni = 2;
+constexpr int64_t kOrdered = 3;  // fastgen_cpu::ordered_linear with the order the exact mode's calibration chose
 // attention kinds
+constexpr int64_t kSdpa = 0;    // SDPA, as Transformers' sdpa_attention_forward calls it (the exact mode)
 constexpr int64_t kKernel = 1;  // fastgen_cpu::attention (the approximate modes)
 
 using Int8Op = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
@@ -49,6 +54,14 @@ const c10::TypedOperatorHandle<Int8Op>& int8_op(bool amx) {
   return amx ? amx_op : vnni_op;
 }
 
+using OrderedOp = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t);
+
+const c10::TypedOperatorHandle<OrderedOp>& ordered_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fastgen_cpu::ordered_linear", "").typed<OrderedOp>();
+  return op;
+}
+
 const c10::TypedOperatorHandle<AttentionOp>& attention_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("fastgen_cpu::attention", "").typed<AttentionOp>();
@@ -60,7 +73,8 @@ struct Linear {
   at::Tensor weight;  // ATen: the (N, K) weight; int8: the packed codes
   std::optional<at::Tensor> bias;
   at::Tensor scale, col_sums;  // int8 only
-  int64_t out_features = 0, activation = 0;
+  int64_t out_features = 0, activation = 0;  // activation: int8's fused code
+  int64_t block = 0, bias_at = 0;            // ordered: the summation order
 };
 
 // per layer, in this order: self q, k, v, out; cross q, out; fc1, fc2 (the LM head follows the last layer)
@@ -71,12 +85,13 @@ constexpr int64_t kNormsPerLayer = 3;  // self-attention, cross-attention, final
 
 class DecoderStep : public torch::CustomClassHolder {
  public:
-  // shape: layers, heads, head_dim, pre_norm, layernorm_embedding, position_offset, attention kind
+  // shape: layers, heads, head_dim, pre_norm, layernorm_embedding, position_offset, attention kind, and the
+  //        feed-forward activation applied after fc1 where fc1 does not fuse it (0 none, 1 GELU, 2 ReLU, 3 SiLU)
   // scalars: embed_scale, layer-norm eps, attention scaling
   // tensors: embedding, positions, [layernorm_embedding w, b], per layer 3 x (w, b), [final norm w, b],
   //          final_logits_bias
   DecoderStep(std::vector<int64_t> shape, std::vector<double> scalars, std::vector<at::Tensor> tensors) {
-    TORCH_CHECK(shape.size() == 7 && scalars.size() == 3, "DecoderStep: 7 shape numbers and 3 scalars");
+    TORCH_CHECK(shape.size() == 8 && scalars.size() == 3, "DecoderStep: 8 shape numbers and 3 scalars");
     layers_ = shape[0];
     heads_ = shape[1];
     head_dim_ = shape[2];
@@ -84,7 +99,9 @@ class DecoderStep : public torch::CustomClassHolder {
     layernorm_embedding_ = shape[4] != 0;
     position_offset_ = shape[5];
     attention_kind_ = shape[6];
-    TORCH_CHECK(attention_kind_ == kKernel, "DecoderStep: unknown attention kind");
+    activation_ = shape[7];
+    TORCH_CHECK(activation_ >= 0 && activation_ <= 3, "DecoderStep: unknown activation");
+    TORCH_CHECK(attention_kind_ == kKernel || attention_kind_ == kSdpa, "DecoderStep: unknown attention kind");
     embed_scale_ = scalars[0];
     eps_ = scalars[1];
     scaling_ = scalars[2];
@@ -107,22 +124,25 @@ class DecoderStep : public torch::CustomClassHolder {
     linears_.resize(static_cast<size_t>(layers_ * kLinearsPerLayer + 1));
   }
 
+  // int8: weight = packed codes, activation = fused code; ordered: (block, bias_at) in (scale_or_block, activation)
   void set_linear(int64_t index, int64_t kind, at::Tensor weight, std::optional<at::Tensor> bias,
                   std::optional<at::Tensor> scale, std::optional<at::Tensor> col_sums, int64_t out_features,
-                  int64_t activation) {
+                  int64_t activation, int64_t block, int64_t bias_at) {
     TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "DecoderStep: linear index");
-    TORCH_CHECK(kind == kAtenLinear || kind == kInt8Amx || kind == kInt8Vnni, "DecoderStep: unknown linear kind");
+    TORCH_CHECK(kind >= kAtenLinear && kind <= kOrdered, "DecoderStep: unknown linear kind");
     Linear& l = linears_[static_cast<size_t>(index)];
     l.kind = kind;
     l.weight = weight;
     l.bias = bias;
-    if (kind != kAtenLinear) {
+    if (kind == kInt8Amx || kind == kInt8Vnni) {
       TORCH_CHECK(scale.has_value() && col_sums.has_value(), "DecoderStep: an int8 linear needs scales and sums");
       l.scale = *scale;
       l.col_sums = *col_sums;
     }
     l.out_features = out_features;
     l.activation = activation;
+    l.block = block;
+    l.bias_at = bias_at;
   }
 
   bool ready() const {
@@ -161,7 +181,7 @@ class DecoderStep : public torch::CustomClassHolder {
       vbuf.select(0, length).copy_(linear(x, lin[2]).view({rows, heads_, head_dim_}));
       const at::Tensor keys = kbuf.narrow(0, 0, length + 1).permute({1, 2, 0, 3});
       const at::Tensor values = vbuf.narrow(0, 0, length + 1).permute({1, 2, 0, 3});
-      at::Tensor out = attention_op().call(query, keys, values, std::nullopt, scaling_);
+      at::Tensor out = attend(query, keys, values, std::nullopt);
       hidden = sublayer(hidden, linear(out.reshape({rows, 1, -1}), lin[3]), norms[0]);
       // cross-attention, an input's hypotheses as query rows of its cached K/V
       x = pre_norm_ ? norm(hidden, norms[1]) : hidden;
@@ -172,11 +192,13 @@ class DecoderStep : public torch::CustomClassHolder {
       query = linear(x, lin[4]).view({rows, 1, heads_, head_dim_}).transpose(1, 2);
       if (group > 1) query = query.reshape({inputs, group, heads_, 1, head_dim_}).transpose(1, 2).reshape(
                                  {inputs, heads_, group, head_dim_});
-      out = attention_op().call(query, ck, cross_v[static_cast<size_t>(layer)], cross_mask, scaling_);
+      out = attend(query, ck, cross_v[static_cast<size_t>(layer)], cross_mask);
       hidden = sublayer(hidden, linear(out.reshape({rows, 1, -1}), lin[5]), norms[1]);
       // feed-forward
       x = pre_norm_ ? norm(hidden, norms[2]) : hidden;
-      hidden = sublayer(hidden, linear(linear(x, lin[6]), lin[7]), norms[2]);
+      at::Tensor inner = linear(x, lin[6]);
+      if (lin[6].kind == kAtenLinear || lin[6].kind == kOrdered) inner = activate(inner);
+      hidden = sublayer(hidden, linear(inner, lin[7]), norms[2]);
     }
     if (pre_norm_) hidden = norm(hidden, norm_final_);
     return linear(hidden, linears_.back()).add(final_logits_bias_);
@@ -194,18 +216,43 @@ class DecoderStep : public torch::CustomClassHolder {
     return pre_norm_ ? sum : norm(sum, wb);
   }
 
+  at::Tensor activate(const at::Tensor& x) const {
+    switch (activation_) {
+      case 1:
+        return at::gelu(x);
+      case 2:
+        return at::relu(x);
+      case 3:
+        return at::silu(x);
+      default:
+        return x;
+    }
+  }
+
+  // (B, H, M, D) queries -> (B, M, H, D), as fastgen's CPU attention returns and sdpa_attention_forward does
+  at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                    const std::optional<at::Tensor>& mask) const {
+    if (attention_kind_ == kKernel) return attention_op().call(query, key, value, mask, scaling_);
+    at::Tensor out = at::scaled_dot_product_attention(query, key, value, mask, 0.0, false, scaling_, false);
+    return out.reshape({out.size(0), -1, query.size(2), value.size(-1)}).transpose(1, 2).contiguous();
+  }
+
   static at::Tensor linear(const at::Tensor& x, const Linear& l) {
     if (l.kind == kAtenLinear) return at::linear(x, l.weight, l.bias);
     at::Tensor x2 = x.reshape({-1, x.size(-1)});
-    if (!x2.is_contiguous()) x2 = x2.contiguous();
-    at::Tensor y = int8_op(l.kind == kInt8Amx).call(x2, l.weight, l.out_features, l.scale, l.col_sums, l.bias,
-                                                    l.activation);
+    at::Tensor y;
+    if (l.kind == kOrdered) {
+      y = ordered_op().call(x2, l.weight, l.bias, l.block, l.bias_at);
+    } else {
+      if (!x2.is_contiguous()) x2 = x2.contiguous();
+      y = int8_op(l.kind == kInt8Amx).call(x2, l.weight, l.out_features, l.scale, l.col_sums, l.bias, l.activation);
+    }
     auto shape = x.sizes().vec();
     shape.back() = l.out_features;
     return y.view(shape);
   }
 
-  int64_t layers_ = 0, heads_ = 0, head_dim_ = 0, position_offset_ = 0, attention_kind_ = 0;
+  int64_t layers_ = 0, heads_ = 0, head_dim_ = 0, position_offset_ = 0, attention_kind_ = 0, activation_ = 0;
   bool pre_norm_ = false, layernorm_embedding_ = false;
   double embed_scale_ = 1.0, eps_ = 1e-5, scaling_ = 1.0;
   at::Tensor embedding_, positions_, final_logits_bias_;

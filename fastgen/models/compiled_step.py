@@ -2,15 +2,22 @@
 
 Why: on a small model the step's Python costs as much as its kernels. The lean step
 (:mod:`fastgen.models.lean_step`) removed the module tree's glue but still calls ~30 ops per layer from
-Python, each linear through its mode's dispatch. Here, once per ``generate`` call, the decoder's tensors
-and each linear's op (the int8 mode's packed weight and AMX/VNNI kernel) go into a C++ program, and every
-later step is one call: the same kernels in the same order, so the logits are the lean step's bits.
+Python, each linear through its mode's dispatch. Here the decoder's tensors and each linear's op go into a
+C++ program once per ``generate`` call, and every later step is one call: the same kernels in the same
+order, so the logits are the Python step's bits (and so, in the exact mode, upstream's).
 
-It serves where every op of the step is one it reproduces: the ``int8`` mode with fastgen's own int8
-kernels on every decoder linear and the LM head (the activation fused into ``fc1``), fastgen's CPU
-attention (the fast modes' attention), no hooks on any module of the step, and a cross-attention mask
-that is absent or one row per input. Anything else — the exact and ``fast_gemm`` modes among them —
-keeps the Python lean step, which gives the same results. ``FASTGEN_COMPILED_STEP=0`` turns it off.
+It serves where every op of the step is one it reproduces:
+
+* the exact mode: each linear in the form its calibration settled on for the step's row count (``F.linear``
+  or fastgen's ordered kernel with its order; a key still being calibrated or on trial keeps the Python step
+  until it settles, and a new row count builds the program again), SDPA for attention;
+* the ``int8`` mode: fastgen's own int8 op (AMX or VNNI) on every decoder linear and the LM head, the
+  activation fused into ``fc1``, fastgen's CPU attention where the Python step's attention takes it;
+
+with no hooks on any module of the step, one activation kind, and a cross-attention mask that is absent or
+one row per input. Anything else (``fast_gemm``, oneDNN int8 weights, the symmetric grid, a blocked exact
+form, grouped K/V heads) keeps the Python lean step, which gives the same results; the report says which
+step ran and why. ``FASTGEN_COMPILED_STEP=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -24,10 +31,13 @@ from fastgen.models.hooks import hooked
 from fastgen.ops import cpu_attention
 
 ENV = "FASTGEN_COMPILED_STEP"
-_KINDS = {"amx": 1, "vnni": 2}  # the C++ class's linear kinds for fastgen's own int8 ops
-_ATTENTION_KERNEL = 1
+# the C++ class's linear kinds (csrc/cpu/decoder_step.cpp)
+_ATEN_LINEAR, _ORDERED = 0, 3
+_INT8_KINDS = {"amx": 1, "vnni": 2}  # fastgen's own int8 ops
+_ATTENTION_SDPA, _ATTENTION_KERNEL = 0, 1
 _OFF = ("0", "false", "off", "no")
 NOT_CHOSEN = "an int8 weight before its first product"
+NOT_SETTLED = "an exact linear whose calibration is not settled"
 
 
 def switched_off() -> bool:
@@ -55,7 +65,7 @@ def _linears(layer: Any) -> list[Any]:
 
 
 def _int8_op(module: Any, fused: dict[int, Any]) -> tuple[Any, ...] | str:
-    """(kind, packed, bias, scale, col_sums, out_features, activation) of the int8 op ``module`` runs, or why not."""
+    """The C++ class's linear arguments for the int8 op ``module`` runs (activation fused), or why not."""
     from fastgen.ops import int8_linear
     from fastgen.optimizer import fused_activation, linear_modes
 
@@ -64,7 +74,7 @@ def _int8_op(module: Any, fused: dict[int, Any]) -> tuple[Any, ...] | str:
     prepared = linear_modes._int8_weights.get(module)
     if getattr(prepared, "_codes", None) is not None:
         return NOT_CHOSEN
-    if prepared.kind not in _KINDS:
+    if prepared.kind not in _INT8_KINDS:
         return f"an int8 weight on the {prepared.kind} path"
     if int8_linear.GRID == "symmetric":
         return "the symmetric int8 grid"
@@ -77,8 +87,32 @@ def _int8_op(module: Any, fused: dict[int, Any]) -> tuple[Any, ...] | str:
     bias = module.bias
     if bias is not None:
         bias = bias.detach().contiguous()
-    return (_KINDS[prepared.kind], prepared.packed, bias, prepared.scale, prepared.col_sums,
-            prepared.out_features, activation)  # fmt: skip
+    kind = _INT8_KINDS[prepared.kind]
+    return (kind, prepared.packed, bias, prepared.scale, prepared.col_sums, prepared.out_features, activation, 0, 0)
+
+
+def _exact_op(module: Any, rows: int) -> tuple[Any, ...] | str:
+    """The C++ class's linear arguments for what the exact mode runs for ``module`` at ``rows`` rows: the form its
+    calibration settled on (``F.linear`` or the ordered kernel with its order), or why not."""
+    from fastgen.ops import linear
+    from fastgen.optimizer import exact_scope, linear_modes
+
+    if type(module) is not torch.nn.Linear or linear_modes.installed(module) is not None:
+        return "a linear outside the exact mode"
+    exact = exact_scope.installed(module)
+    if "forward" in module.__dict__ and not exact:
+        return "a linear with a forward of its own"
+    weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
+    plain = (_ATEN_LINEAR, weight, bias, None, None, weight.shape[0], 0, 0, 0)
+    if not exact:
+        return plain
+    choice = linear.settled_form(3, rows, weight, bias)
+    if choice is None:
+        return NOT_SETTLED
+    dense = weight.is_contiguous() and (bias is None or bias.is_contiguous())
+    if choice.order is None or not dense:  # exact_linear runs F.linear for a strided weight whatever the choice
+        return plain if choice.block is None or not dense else "a blocked form of the exact linear"
+    return (_ORDERED, weight, bias, None, None, weight.shape[0], 0, *choice.order)
 
 
 #: the attention the lean step gets in the fast modes: fastgen's beam-shared K/V wrapper (whose calls take
@@ -102,14 +136,16 @@ def _fastgen_sdpa(attend: Any) -> bool:
 class CompiledStep:
     """One ``generate`` call's C++ program, or the reason it cannot run (:attr:`problem`)."""
 
-    def __init__(self, lean: Any, attend: Any) -> None:
+    def __init__(self, lean: Any, attend: Any, rows: int) -> None:
         self.program: Any = None
         self.head_dim = 0
-        self.retry = False  # a linear has not chosen its op yet: build again at the next step
-        self.problem = self._build(lean, attend)
+        self.approximate = False
+        self.rows: int | None = None  # the exact mode's program holds the forms calibrated for this many rows
+        self.retry = False  # a linear has not settled its op yet: build again at the next step
+        self.problem = self._build(lean, attend, rows)
 
-    def _build(self, lean: Any, attend: Any) -> str | None:
-        from fastgen.optimizer import linear_modes
+    def _build(self, lean: Any, attend: Any, rows: int) -> str | None:
+        from fastgen.optimizer import fused_activation, linear_modes
 
         if switched_off():
             return f"{ENV}=0"
@@ -119,16 +155,24 @@ class CompiledStep:
         model, decoder, family = lean.model, lean.decoder, lean.family
         if not _fastgen_sdpa(attend):
             return "attention other than fastgen's around SDPA"
-        if cpu_attention.unavailable_reason() is not None:
-            return "fastgen's CPU attention is off"
         layers = list(decoder.layers)
         attentions = [m for layer in layers for m in (layer.self_attn, layer.encoder_attn)]
-        if not all(linear_modes.approximate_here(m) for m in attentions):
-            return "the exact attention (not an approximate mode)"
+        approximate = [linear_modes.approximate_here(m) for m in attentions]
+        if any(approximate) and not all(approximate):
+            return "attention modules in different modes"
+        approximate_mode = all(approximate)
+        if approximate_mode and cpu_attention.unavailable_reason() is not None:
+            return "fastgen's CPU attention is off"
+        if any(getattr(a, "num_key_value_groups", 1) != 1 for a in attentions):
+            return "grouped key/value heads"
         if len({(a.num_heads, a.head_dim, a.scaling) for a in attentions}) != 1:
             return "attention modules of different shapes"
         heads, head_dim, scaling = attentions[0].num_heads, attentions[0].head_dim, attentions[0].scaling
         self.head_dim = head_dim
+        activations = {fused_activation.activation_code(getattr(layer.activation_fn, "original", layer.activation_fn))
+                       for layer in layers}  # fmt: skip
+        if len(activations) != 1 or None in activations:
+            return "a feed-forward activation the program does not compute"
         embed = decoder.embed_tokens
         if type(embed) is torch.nn.Embedding and family.scale_outside_embedding:
             embed_scale = decoder.embed_scale
@@ -153,21 +197,28 @@ class CompiledStep:
         modules = [embed, positions, *norms, *linears, *(layer.activation_fn for layer in layers)]
         if any(hooked(m) for m in modules):
             return "hooks on a module of the step"
-        fused = linear_modes._fused_activations
-        ops = [_int8_op(lin, fused) for lin in linears]
+        if approximate_mode:
+            fused = linear_modes._fused_activations
+            ops = [_int8_op(lin, fused) for lin in linears]
+        else:
+            ops = [_exact_op(lin, rows) for lin in linears]
         reason = next((op for op in ops if isinstance(op, str)), None)
         if reason is not None:
-            self.retry = reason == NOT_CHOSEN
+            self.retry = reason in (NOT_CHOSEN, NOT_SETTLED)
             return reason
-        if any(ops[i][6] == 0 for i in range(6, len(ops) - 1, 8)):
+        if approximate_mode and any(ops[i][6] == 0 for i in range(6, len(ops) - 1, 8)):
             return "fc1 without its activation fused"
         tensors = [embed.weight, positions.weight]
         tensors += [t for n in norms for t in (n.weight, n.bias)]
         tensors.append(model.final_logits_bias)
-        shape = [len(layers), heads, head_dim, int(family.pre_norm), int(family.layernorm_embedding), offset, _ATTENTION_KERNEL]
-        program = cls(shape, [float(embed_scale), float(norms[0].eps), float(scaling)], [t.detach() for t in tensors])
-        for index, (kind, packed, bias, scale, col_sums, out_features, activation) in enumerate(ops):
-            program.set_linear(index, kind, packed, bias, scale, col_sums, out_features, activation)
+        attention = _ATTENTION_KERNEL if approximate_mode else _ATTENTION_SDPA
+        flags = [int(family.pre_norm), int(family.layernorm_embedding), offset, attention, activations.pop()]
+        scalars = [float(embed_scale), float(norms[0].eps), float(scaling)]
+        program = cls([len(layers), heads, head_dim, *flags], scalars, [t.detach() for t in tensors])
+        for index, op in enumerate(ops):
+            program.set_linear(index, *op)
+        self.rows = None if approximate_mode else rows
+        self.approximate = approximate_mode
         self.program = program
         return None
 
@@ -179,7 +230,8 @@ class CompiledStep:
         if not inputs or rows % inputs or cross_keys.stride(-1) != 1:
             return False
         group = rows // inputs
-        if not (self.head_dim == 64 or group == 1 or (self.head_dim == 128 and group <= cpu_attention.FEW_QUERY_ROWS)):
+        kernel_takes = self.head_dim == 64 or group == 1 or (self.head_dim == 128 and group <= cpu_attention.FEW_QUERY_ROWS)
+        if self.approximate and not kernel_takes:  # the Python step's attention would leave it to SDPA
             return False
         if mask is None:
             return True

@@ -141,6 +141,7 @@ class LeanDecodeStep:
         self._self_mask_checked = False
         self._grown: list[Any] = []  # self-attention caches whose layers grow in place
         self._compiled: CompiledStep | None = None  # the call's C++ program, once every linear has chosen its op
+        self._compiled_noted = False
 
     def finish(self) -> None:
         """Give the caches this step grew upstream's plain layers back (the call is over)."""
@@ -234,15 +235,16 @@ class LeanDecodeStep:
         out, _ = attend(attention, query, cross.keys, cross.values, mask, dropout=0.0, scaling=scaling)
         return attention.out_proj(out.reshape(*input_shape, -1).contiguous())
 
-    def _compiled_step(self, attend: Any) -> CompiledStep | None:
+    def _compiled_step(self, attend: Any, rows: int) -> CompiledStep | None:
         """The C++ program of this call when it can serve (built at the first step where every linear has
-        chosen its op; a reason it cannot is noted once and kept)."""
+        settled its op, again when the exact mode's row count changes; why it cannot is noted once)."""
         compiled = self._compiled
-        if compiled is None or compiled.retry:
-            compiled = self._compiled = CompiledStep(self, attend)
-            if not compiled.retry:
+        if compiled is None or compiled.retry or (compiled.rows is not None and compiled.rows != rows):
+            compiled = self._compiled = CompiledStep(self, attend, rows)
+            if not compiled.retry and not self._compiled_noted:
                 what = "compiled (C++)" if compiled.program is not None else f"Python ({compiled.problem})"
                 report.note_ran("lean_step", f"decode step: {what}")
+                self._compiled_noted = True
         return compiled if compiled.program is not None else None
 
     def step(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, EncoderDecoderCache] | None:
@@ -262,7 +264,7 @@ class LeanDecodeStep:
             self._grown.append(cache.self_attention_cache)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(decoder.config._attn_implementation, None)
         self_cache, cross_cache = cache.self_attention_cache, cache.cross_attention_cache
-        compiled = self._compiled_step(attend)
+        compiled = self._compiled_step(attend, ids.shape[0])
         if compiled is not None and all(type(layer) is GrowingLayer for layer in self_cache.layers):
             crosses = cross_cache.layers
             if compiled.takes(ids.shape[0], crosses[0].keys, self._encoder_mask):

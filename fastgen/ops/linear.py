@@ -381,6 +381,23 @@ def _on_trial(
     return result
 
 
+def settled_form(dim: int, rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> Choice | None:
+    """The choice :func:`exact_linear` keeps from now on for a contiguous, 64-byte aligned ``dim``-D CPU fp32 input
+    of ``rows`` rows (what a compiled step hands it), or None while it may still change (not calibrated yet, or
+    on trial). A key that is never calibrated reads as ``F.linear``."""
+    key = (dim, weight.shape[0], weight.shape[1], bias is not None, rows, torch.get_num_threads(), 0)
+    choice = _choices.get(key)
+    if choice is None:
+        never = rows * weight.shape[0] * weight.shape[1] > MAX_CALIBRATION_MACS or (
+            weight.shape[0] < MIN_OUT_FEATURES and ordered_kernel() is None
+        )
+        return _LINEAR if never else None
+    return None if choice.trial is not None else choice
+
+
+_LINEAR = Choice("linear", None, {}, ())
+
+
 def forget_choices() -> None:
     """Drop every remembered choice (tests; a process whose thread count or load changed for good)."""
     with _lock:

@@ -15,7 +15,7 @@ import torch
 
 import fastgen
 from fastgen.models import compiled_step
-from fastgen.ops import int8_linear
+from fastgen.ops import int8_linear, linear
 from fastgen.optimizer import linear_modes
 from tests import harness
 
@@ -29,15 +29,30 @@ def _own_int8_kinds() -> list[str]:
     return [kind for kind, ready in (("vnni", int8_linear.has_vnni_kernel), ("amx", int8_linear.has_amx_kernel)) if ready()]
 
 
-@pytest.fixture(params=["vnni", "amx"])
-def int8_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """fastgen's own int8 op of this kind on every linear (skipped where the CPU has no such op)."""
-    if request.param not in _own_int8_kinds():
-        pytest.skip(f"no {request.param} int8 op on this CPU")
-    monkeypatch.setenv(int8_linear.BACKEND_ENV, request.param)
-    linear_modes.forget_int8()
-    yield request.param
-    linear_modes.forget_int8()
+@pytest.fixture(params=["int8-vnni", "int8-amx", "exact", "exact-ordered"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """The features of one mode the program reproduces: int8 on fastgen's own op of one kind (skipped where the
+    CPU has none), or the exact mode with its calibration settled at a step's first product (``exact-ordered``:
+    every linear whose bits some order reproduces keeps the ordered kernel, whatever the timings say)."""
+    name = request.param
+    if name.startswith("int8"):
+        kind = name.removeprefix("int8-")
+        if kind not in _own_int8_kinds():
+            pytest.skip(f"no {kind} int8 op on this CPU")
+        monkeypatch.setenv(int8_linear.BACKEND_ENV, kind)
+        linear_modes.forget_int8()
+        yield ("int8",)
+        linear_modes.forget_int8()
+        return
+    monkeypatch.setattr(linear, "CALIBRATE_AFTER", 1)
+    monkeypatch.setattr(linear, "TRIAL_CALLS", 0)
+    if name == "exact-ordered":
+        if linear.ordered_kernel() is None:
+            pytest.skip("fastgen's ordered kernel is not loaded")
+        monkeypatch.setattr(linear, "pick", lambda medians: min(medians, key=lambda form: not form.startswith("ordered")))
+    linear.forget_choices()
+    yield ()
+    linear.forget_choices()
 
 
 _models: dict[str, object] = {}
@@ -46,9 +61,15 @@ _models: dict[str, object] = {}
 def _model(family: str):
     """A tiny model with 64-wide heads (fastgen's CPU attention takes beam-grouped queries at that size)."""
     if family not in _models:
-        _models[family] = harness.non_degenerate(
-            harness.tiny_hf_model(family, d_model=128, encoder_attention_heads=2, decoder_attention_heads=2)
-        )
+        model = harness.tiny_hf_model(family, d_model=128, encoder_attention_heads=2, decoder_attention_heads=2)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # biases start at zero, where "bias first" and "bias last" orders look alike
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+            if hasattr(model, "final_logits_bias"):
+                model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=generator))
+        _models[family] = harness.non_degenerate(model)
     return _models[family]
 
 
@@ -86,16 +107,28 @@ def _in_ci(family: str, case: str) -> bool:
 
 
 @pytest.mark.parametrize(("family", "case"), harness.family_case_grid(FAMILIES, CASES, _in_ci))
-def test_the_compiled_step_returns_the_python_steps_bits(family, case, int8_kind, monkeypatch):
+def test_the_compiled_step_returns_the_python_steps_bits(family, case, mode, monkeypatch):
     model = _model(family)
     inputs = harness.tiny_inputs(model, batch=3, length=10)  # padded: a cross-attention mask
-    python, _ = _generate(model, inputs, False, monkeypatch, **CASES[case])
-    compiled, report = _generate(model, inputs, True, monkeypatch, **CASES[case])
+    python, _ = _generate(model, inputs, False, monkeypatch, features=mode, **CASES[case])
+    compiled, report = _generate(model, inputs, True, monkeypatch, features=mode, **CASES[case])
     assert COMPILED in report.ran.get("lean_step", []), report
     _assert_identical(compiled, python)
 
 
-def test_finished_inputs_leave_the_batch_under_the_compiled_step(int8_kind, monkeypatch):
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["exact", "exact-ordered"], indirect=True)
+def test_the_exact_modes_compiled_step_equals_upstream(family, mode, monkeypatch, request):
+    model = _model(family)
+    inputs = harness.tiny_inputs(model, batch=3, length=10)
+    monkeypatch.setenv(compiled_step.ENV, "1")
+    _, _, report = harness.assert_same_generation(model, inputs, with_report=True, num_beams=3, max_new_tokens=8)
+    assert COMPILED in report.ran.get("lean_step", []), report
+    if request.node.callspec.params["mode"] == "exact-ordered":
+        assert any(choice.order is not None for choice in linear.choices().values())
+
+
+def test_finished_inputs_leave_the_batch_under_the_compiled_step(mode, monkeypatch):
     """Without per-step scores fastgen's beam loop drops finished inputs: the program sees fewer rows."""
     model = _model("bart")
     inputs = harness.tiny_inputs(model, batch=4, length=10)
@@ -103,7 +136,7 @@ def test_finished_inputs_leave_the_batch_under_the_compiled_step(int8_kind, monk
     outs = []
     for compiled in (False, True):
         monkeypatch.setenv(compiled_step.ENV, "1" if compiled else "0")
-        with fastgen.patched([*DEFAULT, "int8"]), fastgen.report() as report, torch.no_grad():
+        with fastgen.patched([*DEFAULT, *mode]), fastgen.report() as report, torch.no_grad():
             outs.append(model.generate(**inputs, **kwargs))
     assert "finished inputs left the batch" in report.ran.get("beam", [])
     assert COMPILED in report.ran.get("lean_step", [])
@@ -116,21 +149,21 @@ def _python_reason(report) -> str:
     return entries[0]
 
 
-def test_the_exact_mode_keeps_the_python_step(monkeypatch):
+def test_the_fast_gemm_mode_keeps_the_python_step(monkeypatch):
     model = _model("bart")
     inputs = harness.tiny_inputs(model, batch=2, length=8)
-    _, report = _generate(model, inputs, True, monkeypatch, features=(), num_beams=2, max_new_tokens=4)
-    assert "not an approximate mode" in _python_reason(report)
+    _, report = _generate(model, inputs, True, monkeypatch, features=("fast_gemm",), num_beams=2, max_new_tokens=4)
+    assert "a linear outside the int8 mode" in _python_reason(report)
 
 
-def test_the_switch_keeps_the_python_step(int8_kind, monkeypatch):
+def test_the_switch_keeps_the_python_step(monkeypatch):
     model = _model("bart")
     inputs = harness.tiny_inputs(model, batch=2, length=8)
     _, report = _generate(model, inputs, False, monkeypatch, num_beams=2, max_new_tokens=4)
     assert compiled_step.ENV in _python_reason(report)
 
 
-def test_a_hook_on_a_linear_keeps_the_python_step_and_sees_every_step(int8_kind, monkeypatch):
+def test_a_hook_on_a_linear_keeps_the_python_step_and_sees_every_step(monkeypatch):
     model = _model("bart")
     calls = []
     handle = model.get_decoder().layers[0].fc1.register_forward_hook(lambda *args: calls.append(1))
@@ -143,7 +176,7 @@ def test_a_hook_on_a_linear_keeps_the_python_step_and_sees_every_step(int8_kind,
     assert len(calls) == out.sequences.shape[1] - 1  # every decoder call, the first (upstream's forward) included
 
 
-def test_beams_wider_than_the_kernel_takes_keep_the_python_step(int8_kind, monkeypatch):
+def test_beams_wider_than_the_kernel_takes_keep_the_python_step(monkeypatch):
     """16-wide heads with 4 beams: fastgen's CPU attention leaves the grouped cross-attention to SDPA, which the
     program does not run, so every step stays Python's (and the report says the program was built)."""
     model = harness.non_degenerate(harness.tiny_hf_model("bart"))
