@@ -8,8 +8,9 @@
 //
 // The class holds a program built once per generate call (fastgen.models.compiled_step): the decoder's
 // tensors and, for each linear, the op the call's mode runs for it: the int8 mode's AMX / VNNI op with the
-// packed weight, or in the exact mode ATen's linear or fastgen's ordered kernel with the summation order
-// its calibration proved equal to F.linear. Attention is fastgen's CPU kernel in the int8 mode and SDPA,
+// packed weight, fast_gemm's oneDNN op with its packed weight, or in the exact mode ATen's linear or
+// fastgen's ordered kernel with the summation order its calibration proved equal to F.linear. Attention is
+// fastgen's CPU kernel in the fast modes and SDPA,
 // called as Transformers' sdpa_attention_forward calls it, in the exact mode. step() computes exactly what
 // the Python lean step computes, op for op and in the same order, with the same kernels (fastgen_cpu ops
 // through the dispatcher, ATen for the rest), so the logits are the same bits
@@ -37,6 +38,7 @@ constexpr int64_t kAtenLinear = 0;  // F.linear (the exact mode where its calibr
 constexpr int64_t kInt8Amx = 1;
 constexpr int64_t kInt8Vnni = 2;
 constexpr int64_t kOrdered = 3;  // fastgen_cpu::ordered_linear with the order the exact mode's calibration chose
+constexpr int64_t kPacked = 4;   // mkldnn::_linear_pointwise with fast_gemm's packed weight
 // attention kinds
 constexpr int64_t kSdpa = 0;    // SDPA, as Transformers' sdpa_attention_forward calls it (the exact mode)
 constexpr int64_t kKernel = 1;  // fastgen_cpu::attention (the approximate modes)
@@ -59,6 +61,11 @@ using OrderedOp = at::Tensor(const at::Tensor&, const at::Tensor&, const std::op
 const c10::TypedOperatorHandle<OrderedOp>& ordered_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("fastgen_cpu::ordered_linear", "").typed<OrderedOp>();
+  return op;
+}
+
+const c10::OperatorHandle& packed_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   return op;
 }
 
@@ -129,7 +136,7 @@ class DecoderStep : public torch::CustomClassHolder {
                   std::optional<at::Tensor> scale, std::optional<at::Tensor> col_sums, int64_t out_features,
                   int64_t activation, int64_t block, int64_t bias_at) {
     TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "DecoderStep: linear index");
-    TORCH_CHECK(kind >= kAtenLinear && kind <= kOrdered, "DecoderStep: unknown linear kind");
+    TORCH_CHECK(kind >= kAtenLinear && kind <= kPacked, "DecoderStep: unknown linear kind");
     Linear& l = linears_[static_cast<size_t>(index)];
     l.kind = kind;
     l.weight = weight;
@@ -197,7 +204,7 @@ class DecoderStep : public torch::CustomClassHolder {
       // feed-forward
       x = pre_norm_ ? norm(hidden, norms[2]) : hidden;
       at::Tensor inner = linear(x, lin[6]);
-      if (lin[6].kind == kAtenLinear || lin[6].kind == kOrdered) inner = activate(inner);
+      if (lin[6].kind != kInt8Amx && lin[6].kind != kInt8Vnni) inner = activate(inner);
       hidden = sublayer(hidden, linear(inner, lin[7]), norms[2]);
     }
     if (pre_norm_) hidden = norm(hidden, norm_final_);
@@ -239,6 +246,12 @@ class DecoderStep : public torch::CustomClassHolder {
 
   static at::Tensor linear(const at::Tensor& x, const Linear& l) {
     if (l.kind == kAtenLinear) return at::linear(x, l.weight, l.bias);
+    if (l.kind == kPacked) {  // as fast_gemm calls it: the input as it is, no activation, no algorithm
+      torch::jit::Stack stack{x, l.weight, l.bias, std::string("none"), c10::List<std::optional<c10::Scalar>>(),
+                              std::optional<std::string>(std::string())};
+      packed_op().callBoxed(&stack);
+      return stack.back().toTensor();
+    }
     at::Tensor x2 = x.reshape({-1, x.size(-1)});
     at::Tensor y;
     if (l.kind == kOrdered) {

@@ -13,9 +13,11 @@ It serves where every op of the step is one it reproduces:
   until it settles, and a new row count builds the program again), SDPA for attention;
 * the ``int8`` mode: fastgen's own int8 op (AMX or VNNI) on every decoder linear and the LM head, the
   activation fused into ``fc1``, fastgen's CPU attention where the Python step's attention takes it;
+* the ``fast_gemm`` mode: each linear in the form its timing kept for the row count (oneDNN with the packed
+  weight, or the exact mode's settled form), fastgen's CPU attention as in ``int8``;
 
 with no hooks on any module of the step, one activation kind, and a cross-attention mask that is absent or
-one row per input. Anything else (``fast_gemm``, oneDNN int8 weights, the symmetric grid, a blocked exact
+one row per input. Anything else (oneDNN int8 weights, the symmetric grid, a blocked exact
 form, grouped K/V heads) keeps the Python lean step, which gives the same results; the report says which
 step ran and why. ``FASTGEN_COMPILED_STEP=0`` turns it off.
 """
@@ -32,7 +34,7 @@ from fastgen.ops import cpu_attention
 
 ENV = "FASTGEN_COMPILED_STEP"
 # the C++ class's linear kinds (csrc/cpu/decoder_step.cpp)
-_ATEN_LINEAR, _ORDERED = 0, 3
+_ATEN_LINEAR, _ORDERED, _PACKED = 0, 3, 4
 _INT8_KINDS = {"amx": 1, "vnni": 2}  # fastgen's own int8 ops
 _ATTENTION_SDPA, _ATTENTION_KERNEL = 0, 1
 _OFF = ("0", "false", "off", "no")
@@ -92,9 +94,7 @@ def _int8_op(module: Any, fused: dict[int, Any]) -> tuple[Any, ...] | str:
 
 
 def _exact_op(module: Any, rows: int) -> tuple[Any, ...] | str:
-    """The C++ class's linear arguments for what the exact mode runs for ``module`` at ``rows`` rows: the form its
-    calibration settled on (``F.linear`` or the ordered kernel with its order), or why not."""
-    from fastgen.ops import linear
+    """The C++ class's linear arguments for what the exact mode runs for ``module`` at ``rows`` rows, or why not."""
     from fastgen.optimizer import exact_scope, linear_modes
 
     if type(module) is not torch.nn.Linear or linear_modes.installed(module) is not None:
@@ -103,9 +103,17 @@ def _exact_op(module: Any, rows: int) -> tuple[Any, ...] | str:
     if "forward" in module.__dict__ and not exact:
         return "a linear with a forward of its own"
     weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
-    plain = (_ATEN_LINEAR, weight, bias, None, None, weight.shape[0], 0, 0, 0)
     if not exact:
-        return plain
+        return (_ATEN_LINEAR, weight, bias, None, None, weight.shape[0], 0, 0, 0)
+    return _settled_exact(weight, bias, rows)
+
+
+def _settled_exact(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> tuple[Any, ...] | str:
+    """The form :func:`fastgen.ops.linear.exact_linear` settled on for a ``rows``-row step (``F.linear`` or the
+    ordered kernel with its order), or why the program cannot run it yet."""
+    from fastgen.ops import linear
+
+    plain = (_ATEN_LINEAR, weight, bias, None, None, weight.shape[0], 0, 0, 0)
     choice = linear.settled_form(3, rows, weight, bias)
     if choice is None:
         return NOT_SETTLED
@@ -113,6 +121,25 @@ def _exact_op(module: Any, rows: int) -> tuple[Any, ...] | str:
     if choice.order is None or not dense:  # exact_linear runs F.linear for a strided weight whatever the choice
         return plain if choice.block is None or not dense else "a blocked form of the exact linear"
     return (_ORDERED, weight, bias, None, None, weight.shape[0], 0, *choice.order)
+
+
+def _packed_op(module: Any, rows: int) -> tuple[Any, ...] | str:
+    """The C++ class's linear arguments for what ``fast_gemm`` runs for ``module`` at ``rows`` rows: oneDNN with the
+    packed weight, or the exact mode's settled form where its timing kept that, or why not."""
+    from fastgen.ops import fast_linear
+    from fastgen.optimizer import linear_modes
+
+    if linear_modes.installed(module) != linear_modes.FAST_GEMM.feature or not linear_modes._entered_here(module):
+        return "a linear outside the fast_gemm mode"
+    if type(module) is not torch.nn.Linear:
+        return "a linear of another class"
+    weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
+    choice = fast_linear.choices().get((*weight.shape, rows, torch.get_num_threads()))
+    if choice is None and rows * weight.numel() <= fast_linear.MAX_CALIBRATION_MACS:
+        return NOT_SETTLED
+    if choice is None or choice["packed"] <= choice["linear"]:
+        return (_PACKED, fast_linear._packed.get(module), bias, None, None, weight.shape[0], 0, 0, 0)
+    return _settled_exact(weight, bias, rows)
 
 
 #: the attention the lean step gets in the fast modes: fastgen's beam-shared K/V wrapper (whose calls take
@@ -197,16 +224,19 @@ class CompiledStep:
         modules = [embed, positions, *norms, *linears, *(layer.activation_fn for layer in layers)]
         if any(hooked(m) for m in modules):
             return "hooks on a module of the step"
-        if approximate_mode:
+        int8 = approximate_mode and linear_modes.installed(linears[0]) == linear_modes.INT8.feature
+        if int8:
             fused = linear_modes._fused_activations
             ops = [_int8_op(lin, fused) for lin in linears]
+        elif approximate_mode:
+            ops = [_packed_op(lin, rows) for lin in linears]
         else:
             ops = [_exact_op(lin, rows) for lin in linears]
         reason = next((op for op in ops if isinstance(op, str)), None)
         if reason is not None:
             self.retry = reason in (NOT_CHOSEN, NOT_SETTLED)
             return reason
-        if approximate_mode and any(ops[i][6] == 0 for i in range(6, len(ops) - 1, 8)):
+        if int8 and any(ops[i][6] == 0 for i in range(6, len(ops) - 1, 8)):
             return "fc1 without its activation fused"
         tensors = [embed.weight, positions.weight]
         tensors += [t for n in norms for t in (n.weight, n.bias)]
@@ -217,7 +247,7 @@ class CompiledStep:
         program = cls([len(layers), heads, head_dim, *flags], scalars, [t.detach() for t in tensors])
         for index, op in enumerate(ops):
             program.set_linear(index, *op)
-        self.rows = None if approximate_mode else rows
+        self.rows = None if int8 else rows  # the exact and fast_gemm forms were chosen per row count
         self.approximate = approximate_mode
         self.program = program
         return None

@@ -15,7 +15,7 @@ import torch
 
 import fastgen
 from fastgen.models import compiled_step
-from fastgen.ops import int8_linear, linear
+from fastgen.ops import fast_linear, int8_linear, linear
 from fastgen.optimizer import linear_modes
 from tests import harness
 
@@ -29,12 +29,27 @@ def _own_int8_kinds() -> list[str]:
     return [kind for kind, ready in (("vnni", int8_linear.has_vnni_kernel), ("amx", int8_linear.has_amx_kernel)) if ready()]
 
 
-@pytest.fixture(params=["int8-vnni", "int8-amx", "exact", "exact-ordered"])
+@pytest.fixture(params=["int8-vnni", "int8-amx", "exact", "exact-ordered", "fast-packed", "fast-timed"])
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """The features of one mode the program reproduces: int8 on fastgen's own op of one kind (skipped where the
-    CPU has none), or the exact mode with its calibration settled at a step's first product (``exact-ordered``:
-    every linear whose bits some order reproduces keeps the ordered kernel, whatever the timings say)."""
+    CPU has none); the exact mode with its calibration settled at a step's first product (``exact-ordered``:
+    every linear whose bits some order reproduces keeps the ordered kernel, whatever the timings say);
+    ``fast_gemm`` with every linear packed, or timed against the exact form at its first product."""
     name = request.param
+    if name.startswith("fast"):
+        if fast_linear.unavailable() is not None:
+            pytest.skip(fast_linear.unavailable())
+        monkeypatch.setattr(fast_linear, "CALIBRATE_AFTER", 1)
+        monkeypatch.setattr(linear, "CALIBRATE_AFTER", 1)
+        monkeypatch.setattr(linear, "TRIAL_CALLS", 0)
+        if name == "fast-packed":
+            monkeypatch.setattr(fast_linear, "MAX_CALIBRATION_MACS", 0)  # never timed: packed
+        fast_linear.forget_packed()
+        linear.forget_choices()
+        yield ("fast_gemm",)
+        fast_linear.forget_packed()
+        linear.forget_choices()
+        return
     if name.startswith("int8"):
         kind = name.removeprefix("int8-")
         if kind not in _own_int8_kinds():
@@ -149,11 +164,16 @@ def _python_reason(report) -> str:
     return entries[0]
 
 
-def test_the_fast_gemm_mode_keeps_the_python_step(monkeypatch):
-    model = _model("bart")
-    inputs = harness.tiny_inputs(model, batch=2, length=8)
-    _, report = _generate(model, inputs, True, monkeypatch, features=("fast_gemm",), num_beams=2, max_new_tokens=4)
-    assert "a linear outside the int8 mode" in _python_reason(report)
+def test_int8_weights_on_onednn_keep_the_python_step(monkeypatch):
+    monkeypatch.setenv(int8_linear.BACKEND_ENV, "onednn")
+    linear_modes.forget_int8()
+    try:
+        model = _model("bart")
+        inputs = harness.tiny_inputs(model, batch=2, length=8)
+        _, report = _generate(model, inputs, True, monkeypatch, num_beams=2, max_new_tokens=4)
+    finally:
+        linear_modes.forget_int8()
+    assert "an int8 weight on the onednn path" in _python_reason(report)
 
 
 def test_the_switch_keeps_the_python_step(monkeypatch):
