@@ -28,6 +28,14 @@ private (and why a private one stays), and the guard, the test that fails when i
   instance ``forward`` that runs one-token decode steps through the lean step. It relies on the loop calling
   ``self.__call__`` with keyword model inputs and ``return_dict=True``, and reading ``.logits`` and the cache.
   ``expects``; guard: ``tests/optimizer/test_lean_sample.py`` (greedy and seeded sampling equal to upstream).
+- The BART-family decoder's modules and attributes the lean step calls or reads (``embed_tokens`` and its
+  ``embed_scale``, ``embed_positions`` and its ``offset``, the layers' norms, projections, ``activation_fn``,
+  the attention modules' ``num_heads`` / ``head_dim`` / ``scaling``, ``final_logits_bias``; public modules,
+  private attributes), lean_step and beam; admitted by exact class and Transformers release
+  (``fastgen.models.lean_step.TESTED_TRANSFORMERS``). The compiled form of the step also recognises
+  ``integrations.sdpa_attention.sdpa_attention_forward`` (public function) inside fastgen's attention
+  wrappers, and calls SDPA as it does. Guard: ``tests/models/test_lean_step.py`` and
+  ``tests/models/test_compiled_step.py`` (bit-identical steps, the exact mode against upstream).
 - ``GenerationMixin._assisted_decoding`` (private), speculative: upstream raises for batch > 1 inside
   it. ``expects``.
 - ``AttentionInterface.get_interface`` (public registry class), dedup: wrapping the lookup rather than
