@@ -207,6 +207,8 @@ class CompiledStep:
             embed_scale = embed.embed_scale
         else:
             return f"token embedding {type(embed).__name__}"
+        if not isinstance(embed_scale, (int, float)):
+            return f"an embedding scale of type {type(embed_scale).__name__}"
         positions = decoder.embed_positions
         offset = getattr(positions, "offset", 0) if family.positions == "learned" else 0
         norms = [
@@ -252,10 +254,15 @@ class CompiledStep:
         self.program = program
         return None
 
-    def takes(self, rows: int, cross_keys: torch.Tensor, mask: Any) -> bool:
-        """Whether this step's cross-attention is one the program runs as the Python step would: through
-        fastgen's CPU attention (:func:`fastgen.ops.cpu_attention.supports` for ``rows // inputs`` query rows per
-        input), with no mask or one row per input."""
+    def takes(self, rows: int, cross_keys: torch.Tensor, mask: Any, self_layers: list[Any] | None = None) -> bool:
+        """Whether the program runs this step as the Python step would: autograd off, every self-attention layer
+        of one length, and a cross-attention the call's attention runs as the program does (in the fast modes
+        fastgen's CPU attention must take ``rows // inputs`` query rows per input, as
+        :func:`fastgen.ops.cpu_attention.supports` decides), with no mask or one row per input."""
+        if torch.is_grad_enabled():  # the modes' own forwards run upstream's op under autograd
+            return False
+        if self_layers is not None and len({layer.length for layer in self_layers}) != 1:
+            return False
         inputs, length = cross_keys.shape[0], cross_keys.shape[2]
         if not inputs or rows % inputs or cross_keys.stride(-1) != 1:
             return False
@@ -278,9 +285,11 @@ class CompiledStep:
 
     def step(self, ids: torch.Tensor, self_layers: list[Any], cross_layers: list[Any], mask: Any) -> torch.Tensor:
         """The step's logits; grows each self-attention layer by the step's position (its K/V written in place)."""
+        length = self_layers[0].length
+        if any(layer.length != length for layer in self_layers):
+            raise RuntimeError("fastgen: self-attention cache layers of different lengths")  # takes() refuses these
         for layer in self_layers:
             layer.reserve(1)
-        length = self_layers[0].length
         logits = self.program.step(
             ids,
             length,

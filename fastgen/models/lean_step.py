@@ -267,7 +267,7 @@ class LeanDecodeStep:
         compiled = self._compiled_step(attend, ids.shape[0])
         if compiled is not None and all(type(layer) is GrowingLayer for layer in self_cache.layers):
             crosses = cross_cache.layers
-            if compiled.takes(ids.shape[0], crosses[0].keys, self._encoder_mask):
+            if compiled.takes(ids.shape[0], crosses[0].keys, self._encoder_mask, self_cache.layers):
                 return compiled.step(ids, self_cache.layers, crosses, self._encoder_mask), cache
         embeds, hidden = self._embed(ids, cache_length)
         if self.family.layernorm_embedding:

@@ -205,3 +205,40 @@ def test_beams_wider_than_the_kernel_takes_keep_the_python_step(monkeypatch):
     python, _ = _generate(model, inputs, False, monkeypatch, num_beams=4, max_new_tokens=5)
     compiled, _ = _generate(model, inputs, True, monkeypatch, num_beams=4, max_new_tokens=5)
     _assert_identical(compiled, python)
+
+
+def _program_stand_in(head_dim: int, approximate: bool) -> compiled_step.CompiledStep:
+    step = object.__new__(compiled_step.CompiledStep)
+    step.head_dim, step.approximate = head_dim, approximate
+    return step
+
+
+class _Layer:
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+
+def test_what_a_step_must_be_for_the_program():
+    keys = torch.zeros(4, 2, 10, 16)  # 4 inputs, 2 heads, 10 source positions, 16-wide heads
+    exact, fast = _program_stand_in(16, False), _program_stand_in(16, True)
+    with torch.enable_grad():
+        assert not exact.takes(16, keys, None)
+    with torch.no_grad():  # as in generate
+        _assert_takes(exact, fast, keys)
+
+
+def _assert_takes(exact, fast, keys):
+    assert exact.takes(16, keys, None, [_Layer(3), _Layer(3)])
+    assert not exact.takes(16, keys, None, [_Layer(3), _Layer(4)])  # layers of different lengths
+    assert not fast.takes(16, keys, None)  # 4 beams of 16-wide heads: the kernel leaves them to SDPA
+    assert fast.takes(4, keys, None) and _program_stand_in(64, True).takes(16, keys, None)
+    assert not exact.takes(15, keys, None)  # rows not a multiple of the inputs
+    for mask, taken in [
+        (torch.zeros(4, 1, 1, 10, dtype=torch.bool), True),
+        (torch.zeros(1, 2, 1, 10), True),
+        (torch.zeros(16, 1, 1, 10), False),  # one row per hypothesis
+        (torch.zeros(4, 1, 3, 10), False),
+        (torch.zeros(4, 1, 1, 9), False),
+        (torch.zeros(4, 1, 1, 10, dtype=torch.float64), False),
+    ]:
+        assert exact.takes(16, keys, mask) is taken, mask.shape
