@@ -11,8 +11,8 @@ with the results. Candidates decode the same test batches with the same settings
 the reference), fastgen's default (exact) features, the same with upstream's forward at every step
 (``fastgen_exact_upstream_step``: ``FASTGEN_LEAN_STEP=0``, what the lean decode step saves), the exact and
 int8 modes with the lean step in Python (``*_python_step``: ``FASTGEN_COMPILED_STEP=0``, what the compiled
-step saves), fastgen + ``fast_gemm``, fastgen + ``int8`` where fastgen knows that feature, and CTranslate2 float32 and int8_float32
-on the converted model.
+step saves), fastgen + ``fast_gemm``, fastgen + ``int8`` where fastgen knows that feature, and CTranslate2
+float32 and int8_float32 on the converted model.
 
 Per candidate: the share of sentences whose generated ids equal upstream's, the share of positions that
 agree (over the longer of the two), BLEU and chrF (sacrebleu) against the references (the copy baseline's

@@ -212,7 +212,9 @@ class CompiledStep:
         positions = decoder.embed_positions
         offset = getattr(positions, "offset", 0) if family.positions == "learned" else 0
         norms = [
-            n for layer in layers for n in (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
+            n
+            for layer in layers
+            for n in (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
         ]
         if family.layernorm_embedding:
             norms.insert(0, decoder.layernorm_embedding)
@@ -267,7 +269,9 @@ class CompiledStep:
         if not inputs or rows % inputs or cross_keys.stride(-1) != 1:
             return False
         group = rows // inputs
-        kernel_takes = self.head_dim == 64 or group == 1 or (self.head_dim == 128 and group <= cpu_attention.FEW_QUERY_ROWS)
+        kernel_takes = (
+            self.head_dim == 64 or group == 1 or (self.head_dim == 128 and group <= cpu_attention.FEW_QUERY_ROWS)
+        )
         if self.approximate and not kernel_takes:  # the Python step's attention would leave it to SDPA
             return False
         if mask is None:

@@ -26,7 +26,9 @@ COMPILED = "decode step: compiled (C++)"
 
 
 def _own_int8_kinds() -> list[str]:
-    return [kind for kind, ready in (("vnni", int8_linear.has_vnni_kernel), ("amx", int8_linear.has_amx_kernel)) if ready()]
+    return [
+        kind for kind, ready in (("vnni", int8_linear.has_vnni_kernel), ("amx", int8_linear.has_amx_kernel)) if ready()
+    ]
 
 
 @pytest.fixture(params=["int8-vnni", "int8-amx", "exact", "exact-ordered", "fast-packed", "fast-timed"])
@@ -64,7 +66,9 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     if name == "exact-ordered":
         if linear.ordered_kernel() is None:
             pytest.skip("fastgen's ordered kernel is not loaded")
-        monkeypatch.setattr(linear, "pick", lambda medians: min(medians, key=lambda form: not form.startswith("ordered")))
+        monkeypatch.setattr(
+            linear, "pick", lambda medians: min(medians, key=lambda form: not form.startswith("ordered"))
+        )
     linear.forget_choices()
     yield ()
     linear.forget_choices()
