@@ -22,8 +22,15 @@
 //   cross-attention over each input's cached K/V, an input's beams as extra query rows (beam-shared K/V);
 //   feed-forward fc2(act(fc1(x))), the activation fused into fc1's int8 op in the int8 mode.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/layer_norm.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/silu.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
