@@ -67,6 +67,9 @@ FAMILIES: dict[str, Family] = {
     )
 }
 
+#: builds of the compiled step's program one call tries while a linear's op is not settled (then: the Python step)
+MAX_PROGRAM_TRIES = 64
+
 #: model inputs the step knows (anything else: upstream's forward)
 KNOWN_INPUTS = frozenset(
     {"decoder_input_ids", "cache", "past_key_values", "attention_mask", "encoder_outputs", "use_cache"}
@@ -142,6 +145,7 @@ class LeanDecodeStep:
         self._grown: list[Any] = []  # self-attention caches whose layers grow in place
         self._compiled: CompiledStep | None = None  # the call's C++ program, once every linear has chosen its op
         self._compiled_noted = False
+        self._compiled_tries = 0
 
     def finish(self) -> None:
         """Give the caches this step grew upstream's plain layers back (the call is over)."""
@@ -239,8 +243,10 @@ class LeanDecodeStep:
         """The C++ program of this call when it can serve (built at the first step where every linear has
         settled its op, again when the exact mode's row count changes; why it cannot is noted once)."""
         compiled = self._compiled
-        if compiled is None or compiled.retry or (compiled.rows is not None and compiled.rows != rows):
+        retry = compiled is not None and compiled.retry and self._compiled_tries < MAX_PROGRAM_TRIES
+        if compiled is None or retry or (compiled.rows is not None and compiled.rows != rows):
             compiled = self._compiled = CompiledStep(self, attend, rows)
+            self._compiled_tries += 1
             if not compiled.retry and not self._compiled_noted:
                 what = "compiled (C++)" if compiled.program is not None else f"Python ({compiled.problem})"
                 report.note_ran("lean_step", f"decode step: {what}")

@@ -246,3 +246,26 @@ def _assert_takes(exact, fast, keys):
         (torch.zeros(4, 1, 1, 10, dtype=torch.float64), False),
     ]:
         assert exact.takes(16, keys, mask) is taken, mask.shape
+
+
+def test_a_call_whose_linears_never_settle_stops_trying_and_keeps_the_python_step(monkeypatch):
+    from fastgen.models import lean_step
+
+    builds = []
+    original = compiled_step.CompiledStep.__init__
+
+    def counted(self, *args):
+        builds.append(1)
+        original(self, *args)
+
+    monkeypatch.setattr(compiled_step.CompiledStep, "__init__", counted)
+    monkeypatch.setattr(linear, "settled_form", lambda *args: None)  # every exact key still calibrating
+    monkeypatch.setattr(lean_step, "MAX_PROGRAM_TRIES", 5)
+    model = _model("bart")
+    inputs = harness.tiny_inputs(model, batch=2, length=8)
+    python, _ = _generate(model, inputs, False, monkeypatch, features=(), num_beams=2, max_new_tokens=12)
+    builds.clear()
+    ours, report = _generate(model, inputs, True, monkeypatch, features=(), num_beams=2, max_new_tokens=12)
+    assert len(builds) == 5
+    assert COMPILED not in report.ran.get("lean_step", [])
+    _assert_identical(ours, python)
