@@ -134,10 +134,10 @@ def _packed_op(module: Any, rows: int) -> tuple[Any, ...] | str:
     if type(module) is not torch.nn.Linear:
         return "a linear of another class"
     weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
-    choice = fast_linear.choices().get((*weight.shape, rows, torch.get_num_threads()))
-    if choice is None and rows * weight.numel() <= fast_linear.MAX_CALIBRATION_MACS:
+    form = fast_linear.settled_form(weight, rows)
+    if form is None:
         return NOT_SETTLED
-    if choice is None or choice["packed"] <= choice["linear"]:
+    if form == "packed":
         return (_PACKED, fast_linear._packed.get(module), bias, None, None, weight.shape[0], 0, 0, 0)
     return _settled_exact(weight, bias, rows)
 
@@ -268,12 +268,8 @@ class CompiledStep:
         inputs, length = cross_keys.shape[0], cross_keys.shape[2]
         if not inputs or rows % inputs or cross_keys.stride(-1) != 1:
             return False
-        group = rows // inputs
-        kernel_takes = (
-            self.head_dim == 64 or group == 1 or (self.head_dim == 128 and group <= cpu_attention.FEW_QUERY_ROWS)
-        )
-        if self.approximate and not kernel_takes:  # the Python step's attention would leave it to SDPA
-            return False
+        if self.approximate and not cpu_attention.takes_rows(rows // inputs, self.head_dim):
+            return False  # the Python step's attention would leave it to SDPA
         if mask is None:
             return True
         return (
@@ -288,10 +284,9 @@ class CompiledStep:
         )
 
     def step(self, ids: torch.Tensor, self_layers: list[Any], cross_layers: list[Any], mask: Any) -> torch.Tensor:
-        """The step's logits; grows each self-attention layer by the step's position (its K/V written in place)."""
-        length = self_layers[0].length
-        if any(layer.length != length for layer in self_layers):
-            raise RuntimeError("fastgen: self-attention cache layers of different lengths")  # takes() refuses these
+        """The step's logits, for a step :meth:`takes` admitted; grows each self-attention layer by the step's
+        position (its K/V written in place)."""
+        length = self_layers[0].length  # one length for all: takes() said so
         for layer in self_layers:
             layer.reserve(1)
         logits = self.program.step(

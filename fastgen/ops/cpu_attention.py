@@ -37,15 +37,20 @@ def unavailable_reason() -> str | None:
     return cpu_kernels.unavailable_reason()
 
 
+def takes_rows(rows: int, dim: int) -> bool:
+    """Whether the kernel takes ``rows`` query rows per (batch, head) pair of head size ``dim`` (elsewhere SDPA
+    measured faster: module docs)."""
+    return dim == 64 or rows == 1 or (dim == 128 and rows <= FEW_QUERY_ROWS)
+
+
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether the kernel takes these tensors (else the caller runs stock attention)."""
     if query.device.type != "cpu" or not (query.dtype == key.dtype == value.dtype == torch.float32):
         return False
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return False
-    rows, dim = query.shape[2], query.shape[3]
-    if not (dim == 64 or rows == 1 or (dim == 128 and rows <= FEW_QUERY_ROWS)):
-        return False  # where SDPA measured faster (module docs)
+    if not takes_rows(query.shape[2], query.shape[3]):
+        return False
     if key.shape[:2] != query.shape[:2] or value.shape[:3] != key.shape[:3] or key.shape[3] != query.shape[3]:
         return False  # grouped-query heads or odd shapes: SDPA handles them
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:

@@ -170,6 +170,15 @@ def faster_form(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _run_packed(module, x) if choice["packed"] <= choice["linear"] else _exact(module, x)
 
 
+def settled_form(weight: torch.Tensor, rows: int) -> str | None:
+    """The form :func:`faster_form` keeps from now on for ``rows``-row calls on ``weight`` ("packed" or "linear",
+    the exact mode's form), or None while its timing is still to come. A key never timed reads as packed."""
+    choice = _choices.get((*weight.shape, rows, torch.get_num_threads()))
+    if choice is None:
+        return "packed" if rows * weight.numel() > MAX_CALIBRATION_MACS else None
+    return "packed" if choice["packed"] <= choice["linear"] else "linear"
+
+
 def prepack(module: torch.nn.Module) -> int:
     """Pack ``module``'s weight now, checking its content (once per call); returns the copy's bytes."""
     return _packed.refresh(module)
