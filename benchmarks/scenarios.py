@@ -33,18 +33,10 @@ class Generation:
 
 
 def decoding_cache(model: torch.nn.Module, call: Callable[[], Any]) -> tuple[Any, Any]:
-    """``call()``'s result and the last ``past_key_values`` object ``model``'s forward received."""
-    seen: list[Any] = []
-
-    def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        if kwargs.get(CACHE) is not None:
-            seen[:] = [kwargs[CACHE]]
-
-    handle = model.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        return call(), (seen[0] if seen else None)
-    finally:
-        handle.remove()
+    """``call()``'s result and the cache it returns (``return_dict_in_generate``). Read from the output, not
+    with a hook on the model: a forward hook would keep fastgen's lean decode step off (it skips that forward)."""
+    out = call()
+    return out, getattr(out, CACHE, None)
 
 
 def fold_seconds(cache: Any) -> float | None:

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_session.sh 1 420   # part 1: tests, bart-large fp16, profile, continuous, speculative, n-gram op
 #   bash scripts/gpu_session.sh 2 260   # part 2: max batch, bart-large fp32, op benchmarks, more scenarios
 #   bash scripts/gpu_session.sh 3 255   # part 3: fixes from parts 1-2 checked, warm vs cold continuous batching
+#   bash scripts/gpu_session.sh 4 390   # part 4: the CUDA-graph decode step (tests, fp32 exactness, bart-large fp16)
 # What comes back: $OUT/part<N>.log and $OUT/results-part<N>.tar.gz (JSON results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +56,18 @@ if [ "$part" = 1 ]; then
     --output "$results/continuous_batching-bart-base-b4-bs32-cuda-fp16.json"
   step 60 speculative python3 -m benchmarks.speculative --device cuda --batches 1 8 --rounds 2 --out "$results"
   step 30 ngram-op python3 -m benchmarks.ngram_op --device cuda --threads 1 --slow-repeats 2 --out "$results/ngram_op-cuda.json"
+elif [ "$part" = 4 ]; then  # the CUDA-graph decode step: its tests, fp32 tokens, bart-large against eager/upstream
+  export FASTGEN_JIT=0
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  step 110 graph-tests python3 -m pytest -q -p no:cacheprovider --timeout 60 -rfE -x -m gpu \
+    tests/models/test_graph_step.py tests/test_gpu_generation.py
+  step 70 graph-fp32 python3 -m benchmarks.graph_step --scenario bart-large --dtype fp32 --batch 8 --input-len 256 \
+    --new-tokens 32 --rounds 1 --out "$results"
+  step 170 graph-bart-large-fp16 python3 -m benchmarks.graph_step --scenario bart-large --dtype fp16 --rounds 2 \
+    --out "$results"
+  step 40 graph-profile python3 -m benchmarks.step_profile --scenario bart-large --device cuda \
+    --dtype fp16 --new-tokens 32 --repeats 1 --out "$results"
 elif [ "$part" = 3 ]; then  # after the first two: fixes checked, warm vs cold, the common call's memory
   export FASTGEN_JIT=0  # no extension build (40 s of a short lease): n-gram blocking runs its Triton kernel
   step 45 gpu-generation-tests python3 -m pytest -q -p no:cacheprovider --timeout 40 -rfE tests/test_gpu_generation.py

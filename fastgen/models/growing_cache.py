@@ -70,6 +70,12 @@ class GrowingLayer(DynamicLayer):
         if self._length + new > self._buffers[0].shape[0]:
             self._adopt(self.keys, self.values, extra=max(new, self._length))
 
+    def clear_free(self) -> None:
+        """Zero every buffer's free positions (a reader that masks them, the CUDA-graph step, then multiplies
+        finite numbers by zero: never NaN from uninitialised memory)."""
+        for buffer in self._buffers:
+            buffer[self._length :].zero_()
+
     def advance(self, new: int) -> None:
         """``new`` positions past :attr:`length` were written in the buffers: they are part of the cache now."""
         self._length += new

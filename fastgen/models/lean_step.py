@@ -31,6 +31,7 @@ from transformers.masking_utils import create_bidirectional_mask, create_causal_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fastgen.models.compiled_step import CompiledStep
+from fastgen.models.graph_step import StaticStep, graphs_switched_off
 from fastgen.models.growing_cache import GrowingLayer, grow_in_place, plain_layers
 from fastgen.models.hooks import hooked
 from fastgen.optimizer import report
@@ -69,6 +70,9 @@ FAMILIES: dict[str, Family] = {
 
 #: builds of the compiled step's program one call tries while a linear's op is not settled (then: the Python step)
 MAX_PROGRAM_TRIES = 64
+
+#: run the static step (uncaptured) on CPU tensors too: how the CPU tests check the CUDA-graph step's arithmetic
+STATIC_ON_CPU = False
 
 #: model inputs the step knows (anything else: upstream's forward)
 KNOWN_INPUTS = frozenset(
@@ -135,8 +139,9 @@ class LeanDecodeStep:
     ``model(**model_inputs).logits`` and leaving the cache as that call would.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, length_limit: int | None = None) -> None:
         self.model = model
+        self.length_limit = length_limit  # the call's longest decoder sequence (the CUDA-graph step's capacity)
         self.family = FAMILIES[_name(model)]
         self.decoder = model.get_decoder()
         self._encoder_mask_for: tuple[Any, int] | None = None
@@ -146,9 +151,14 @@ class LeanDecodeStep:
         self._compiled: CompiledStep | None = None  # the call's C++ program, once every linear has chosen its op
         self._compiled_noted = False
         self._compiled_tries = 0
+        self._static: StaticStep | None = None  # the CUDA-graph step (GPU), made at the first step it can serve
 
     def finish(self) -> None:
         """Give the caches this step grew upstream's plain layers back (the call is over)."""
+        static = self._static
+        if static is not None and static.captures:
+            note = f"decode step: CUDA graphs ({static.captures} captured in {static.capture_seconds * 1000:.0f} ms)"
+            report.note_ran("lean_step", note)
         for cache in self._grown:
             plain_layers(cache)
         self._grown.clear()
@@ -253,6 +263,21 @@ class LeanDecodeStep:
                 self._compiled_noted = True
         return compiled if compiled.program is not None else None
 
+    def keeps_rows(self, finished: int, rows: int) -> bool:
+        """Whether the beam loop should keep ``finished`` of its ``rows`` inputs in the batch: with CUDA graphs
+        each new row count costs a capture, so inputs leave only once half the batch is done."""
+        static = self._static
+        return static is not None and static.capture and static.problem is None and 2 * finished < rows
+
+    def _static_step(self, ids: torch.Tensor) -> StaticStep | None:
+        """The CUDA-graph step of this call on a GPU (None: on a CPU, without a length limit, or switched off)."""
+        if self._static is None and self.length_limit is not None and (ids.is_cuda or STATIC_ON_CPU):
+            if graphs_switched_off():
+                return None
+            self._static = StaticStep(self, self.length_limit, capture=ids.is_cuda)
+            report.note_ran("lean_step", "decode step: static shapes" + (", CUDA graphs" if ids.is_cuda else ""))
+        return self._static
+
     def step(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, EncoderDecoderCache] | None:
         """The logits of this step (None: run upstream's forward instead, the inputs being outside the step)."""
         if self.inputs_problem(model_inputs) is not None:
@@ -270,6 +295,11 @@ class LeanDecodeStep:
             self._grown.append(cache.self_attention_cache)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(decoder.config._attn_implementation, None)
         self_cache, cross_cache = cache.self_attention_cache, cache.cross_attention_cache
+        static = self._static_step(ids)
+        if static is not None and static.takes(ids, self_cache.layers):
+            logits = static.step(ids, self_cache.layers, cross_cache.layers, self._encoder_mask, attend)
+            if logits is not None:
+                return logits, cache
         compiled = self._compiled_step(attend, ids.shape[0])
         if compiled is not None and all(type(layer) is GrowingLayer for layer in self_cache.layers):
             crosses = cross_cache.layers

@@ -332,7 +332,7 @@ class _StepOutputs(dict):
         self.logits = logits
 
 
-def _lean_step(model: Any) -> Any:
+def _lean_step(model: Any, length_limit: int) -> Any:
     """The lean decode step (:class:`fastgen.models.lean_step.LeanDecodeStep`) for this call's model, or
     None where upstream's forward runs every step (``FASTGEN_LEAN_STEP=0``, or a model it does not
     reproduce: noted in the report)."""
@@ -347,7 +347,7 @@ def _lean_step(model: Any) -> Any:
         report.note_ran(FEATURE, f"decode step: upstream's forward ({reason})")
         return None
     report.note_ran(FEATURE, "decode step: the lean BART-family step")
-    return lean_step.LeanDecodeStep(model)
+    return lean_step.LeanDecodeStep(model, length_limit)
 
 
 def other_device_reason(input_ids: torch.Tensor, model: Any) -> str | None:
@@ -441,7 +441,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
 
     flat_running_sequences = input_ids
     processors = None  # prepared at the first step, when V is known
-    lean = _lean_step(self)
+    lean = _lean_step(self, length_limit)
     prefill_consumed = False
     this_peer_finished = False
     model_outputs = self._prefill(
@@ -565,7 +565,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         done = done.tolist()  # the loop's one host sync, every check_every steps
         if all(done):
             this_peer_finished = True
-        elif removal and any(done):
+        elif removal and any(done) and not (lean is not None and lean.keeps_rows(sum(done), batch_size)):
             gone = torch.tensor([i for i, d in enumerate(done) if d], device=active.device)
             keep = torch.tensor([i for i, d in enumerate(done) if not d], device=active.device)
             final_sequences[active[gone]] = sequences[gone]

@@ -93,7 +93,7 @@ def make_sample(original: Callable[..., Any]) -> Callable[..., Any]:
         from fastgen.models import lean_step
 
         report.note_ran(FEATURE, "decode step: the lean BART-family step")
-        with _forward_through(self, lean_step.LeanDecodeStep(self)):
+        with _forward_through(self, lean_step.LeanDecodeStep(self, generation_config.max_length)):
             return run()
 
     return _sample
