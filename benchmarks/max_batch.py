@@ -137,6 +137,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         peaks: dict[str, int] = {}
         outputs: dict[str, torch.Tensor] = {}
         for name in rotating_order(list(runs), args.rounds):
+            torch.cuda.empty_cache()  # each timed call starts from the same empty allocator, as the probes did
             outputs[name], spent, peaks[name] = runner.call(*runs[name])
             seconds[name].append(spent)
     new_tokens = runner.settings["new_tokens"]

@@ -159,6 +159,7 @@ class LeanDecodeStep:
         if static is not None and static.captures:
             note = f"decode step: CUDA graphs ({static.captures} captured in {static.capture_seconds * 1000:.0f} ms)"
             report.note_ran("lean_step", note)
+        self._static = None  # its graphs and their memory pool go now, not at the next garbage collection
         for cache in self._grown:
             plain_layers(cache)
         self._grown.clear()
