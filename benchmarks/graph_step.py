@@ -58,6 +58,7 @@ def measure(scenario_name: str, device: str, dtype: str, rounds: int, overrides:
         warm[variant].append(seconds)
         peaks[variant].append(peak)
     batch, new_tokens = settings["batch"], settings["new_tokens"]
+    settings = settings | {"generate": scenario.generate}
     result: dict[str, Any] = {"scenario": scenario_name, "dtype": dtype, "settings": settings, "rounds": rounds}
     base = statistics.median(warm["upstream"])
     for variant in VARIANTS:
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print("graph_step: needs a CUDA device", file=sys.stderr)
         return 2
     overrides = {"batch": args.batch, "input_len": args.input_len, "new_tokens": args.new_tokens}
-    result = result_header("graph_step", argv) | environment(args.device)
+    result = result_header("graph_step", argv) | {"environment": environment(args.device)}
     result |= measure(args.scenario, args.device, args.dtype, args.rounds, overrides)
     for variant in VARIANTS:
         row = result[variant]

@@ -336,6 +336,27 @@ def max_batch() -> str:
     return "\n".join(lines)
 
 
+def graph_step() -> str:
+    """``graph_step-*-cuda*.json``: the CUDA-graph decode step against the eager step and upstream, cold and warm."""
+    lines = [
+        "| device | scenario | dtype | variant | warm s (median) | × upstream | cold s (× warm) | peak GiB "
+        "| rows identical to upstream | commit |",
+        "|---" * 10 + "|",
+    ]
+    for path in gpu_files("graph_step"):
+        r = json.loads(path.read_text())
+        s = r["settings"]
+        shape = f"{r['scenario']} {s['batch']}×{s['input_len']}→{s['new_tokens']}, beam {s['generate']['num_beams']}"
+        for variant in ("upstream", "fastgen-eager", "fastgen-graphs"):
+            v = r[variant]
+            lines.append(
+                f"| {machine(_environment(r))} | {shape} | {r['dtype']} | {variant} | {v['median_s']:.3f} "
+                f"| **{v['speedup_vs_upstream']:.2f}×** | {v['cold_s']:.2f} ({v['cold_over_warm']:.2f}×) "
+                f"| {v['peak_memory_bytes'] / 2**30:.2f} | {v['identical_rows_vs_upstream']} | {_commit(r)} |"
+            )
+    return "\n".join(lines)
+
+
 def _kernel_name(name: str, width: int = 48) -> str:
     """A kernel's name without ``void``, template arguments and parameters, cut to ``width``."""
     short = re.split(r"[<(]", name.removeprefix("void "), maxsplit=1)[0]
@@ -966,6 +987,7 @@ GENERATED: dict[str, Callable[..., str]] = {
     "continuous-encoder-decoder": lambda: _continuous("encoder-decoder"),
     "continuous-decoder-only": lambda: _continuous("decoder-only"),
     "max-batch": max_batch,
+    "graph-step": graph_step,
     "step-profile": step_profile,
     "continuous-gpu": continuous_gpu,
     "ops-gpu": ops_gpu,
