@@ -5,7 +5,7 @@
 #   bash scripts/gpu_session.sh 1 420   # part 1: tests, bart-large fp16, profile, continuous, speculative, n-gram op
 #   bash scripts/gpu_session.sh 2 260   # part 2: max batch, bart-large fp32, op benchmarks, more scenarios
 #   bash scripts/gpu_session.sh 3 255   # part 3: fixes from parts 1-2 checked, warm vs cold continuous batching
-#   bash scripts/gpu_session.sh 4 390   # part 4: the CUDA-graph decode step (tests, fp32 exactness, bart-large fp16)
+#   bash scripts/gpu_session.sh 4 390   # part 4: the CUDA-graph decode step (tests, fp32, bart-large fp16, max batch)
 # What comes back: $OUT/part<N>.log and $OUT/results-part<N>.tar.gz (JSON results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,7 +66,9 @@ elif [ "$part" = 4 ]; then  # the CUDA-graph decode step: its tests, fp32 tokens
     --new-tokens 32 --rounds 1 --out "$results"
   step 170 graph-bart-large-fp16 python3 -m benchmarks.graph_step --scenario bart-large --dtype fp16 --rounds 2 \
     --out "$results"
-  step 40 graph-profile python3 -m benchmarks.step_profile --scenario bart-large --device cuda \
+  step 110 graph-max-batch python3 -m benchmarks.max_batch --scenario bart-large --budget-gib 8 --dtype fp16 \
+    --granularity 16 --rounds 1 --out "$results/max_batch-bart-large-fp16-8gib-graphs-cuda.json"
+  step 50 graph-profile python3 -m benchmarks.step_profile --scenario bart-large --device cuda \
     --dtype fp16 --new-tokens 32 --repeats 1 --out "$results"
 elif [ "$part" = 3 ]; then  # after the first two: fixes checked, warm vs cold, the common call's memory
   export FASTGEN_JIT=0  # no extension build (40 s of a short lease): n-gram blocking runs its Triton kernel

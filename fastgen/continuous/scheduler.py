@@ -120,11 +120,13 @@ def run_continuous(
         if keep is not None:  # cancelled inputs leave at the step boundary, without a result
             _retire(state, cache, encoder_lengths, keep, beams, cross_rows)
             masks.stale = True
-        free = slots - len(state)
-        ahead.waiting = False
-        while free > 0 and (len(ahead) or (ahead.more and not ahead.waiting)):
-            with torch.no_grad(), linear_scope(model, not checked, features):
-                checked = True
+        # One scope for the newcomers' encoding and the step: entering it costs a walk over the model's
+        # modules, which a server (a newcomer or two per step) paid once more per step.
+        with torch.no_grad(), linear_scope(model, not checked, features):
+            checked = True
+            free = slots - len(state)
+            ahead.waiting = False
+            while free > 0 and (len(ahead) or (ahead.more and not ahead.waiting)):
                 if not len(ahead):
                     ahead.encode_next(model, queue, slots, cross_rows, device, seed_queue)
                     continue
@@ -134,14 +136,14 @@ def run_continuous(
                 state.add(taken.indices, taken.seeds)
                 masks.stale = True
                 free -= len(taken.indices)
+            if len(state):
+                order, done = _step(decoder, state, cache, encoder_lengths, masks, stats)
         if not len(state):
             if online is not None and ahead.more:
                 yield None  # idle: nothing to run until an input arrives
                 continue
             break
-        with torch.no_grad(), linear_scope(model, not checked, features):
-            checked = True
-            order, done = _step(decoder, state, cache, encoder_lengths, masks, stats)
+        with torch.no_grad():
             if online is not None and online.on_step is not None:
                 online.on_step(state)
             if not any(done):

@@ -6,13 +6,14 @@ and keeps the GPU busy ~12% of the time; a CUDA graph launches the step's decode
 A graph replays fixed kernels on fixed addresses, so the step must not change shape as the cache grows:
 
 - the self-attention K/V stay in :class:`~fastgen.models.growing_cache.GrowingLayer`'s time-major
-  buffers, reserved once to the call's length limit; the step writes its position with ``index_copy_`` at a
+  buffers, reserved once to the call's length limit and pinned there (the beam reorder copies back in
+  place instead of swapping to spare buffers); the step writes its position with ``index_copy_`` at a
   position held in a device tensor, and attends over the whole buffer with a mask ``slot <= position``
   (free slots are zeroed once, so a masked slot contributes exactly nothing);
 - positions are embedded from that device tensor; the cross-attention K/V and the encoder mask are the
   call's own tensors, fixed while its rows are.
 
-A graph is captured per set of buffers (rows; the reorder's two buffer sets) and replayed while they are
+A graph is captured per row count (a new count means new buffers) and replayed while its buffers are
 current. The capture's warm run is that step's real computation, so capturing costs about one step.
 Attention over the padded length reads the same numbers as upstream's over the filled prefix but may sum
 them in another order: the logits can differ from upstream's in the last bits (the tests measure it).
@@ -33,8 +34,8 @@ from fastgen.optimizer import report
 
 GRAPHS_ENV = "FASTGEN_CUDA_GRAPHS"
 
-#: graphs one call keeps per row count (the beam reorder alternates two buffer sets; more: the buffers move)
-ROW_GRAPHS = 2
+#: graphs one call keeps per row count (the buffers are pinned: a second one means something else moved)
+ROW_GRAPHS = 1
 
 
 def graphs_switched_off() -> bool:
@@ -79,7 +80,9 @@ class StaticStep:
     def step(self, ids: torch.Tensor, self_layers: list[Any], crosses: list[Any], mask: Any, attend: Any) -> Any:
         """This step's logits ``(rows, 1, vocab)`` (None: this call's step runs eagerly from here on)."""
         for layer in self_layers:
-            layer.reserve(self.length_limit - layer.length)  # no-op once reserved: the buffers stay put
+            layer.reserve(self.length_limit - layer.length)  # no-op once reserved
+            if not layer.pinned:
+                layer.pin()  # the beam reorder copies back in place: the buffers stay put
         position = self_layers[0].length
         if not self.capture:
             key = self._key(ids, self_layers, crosses, mask)

@@ -29,7 +29,8 @@ class GrowingLayer(DynamicLayer):
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
         """Copy ``(rows, heads, length, dim)`` K/V into new buffers with ``extra`` free positions."""
         rows, heads, length, dim = keys.shape
-        self._buffers = [keys.new_empty(length + extra, rows, heads, dim) for _ in range(4)]  # K, V, spare K, V
+        count = 2 if getattr(self, "_buffers", None) is not None and self.pinned else 4  # K, V (, spare K, V)
+        self._buffers = [keys.new_empty(length + extra, rows, heads, dim) for _ in range(count)]
         self._buffers[0][:length] = keys.permute(2, 0, 1, 3)
         self._buffers[1][:length] = values.permute(2, 0, 1, 3)
         self._length = length
@@ -81,8 +82,25 @@ class GrowingLayer(DynamicLayer):
         self._length += new
         self._publish()
 
+    def pin(self) -> None:
+        """Keep the K/V at their addresses from here on (a CUDA graph reads them there): the spare buffers go,
+        and a reorder gathers into a temporary and copies back, one copy more than swapping buffers."""
+        self._buffers[2:] = []
+
+    @property
+    def pinned(self) -> bool:
+        return len(self._buffers) == 2
+
     def _select_rows(self, indices: torch.Tensor) -> None:
         length = self._length
+        if self.pinned:
+            keys, values = self._buffers
+            if indices.shape[0] != keys.shape[1]:  # fewer rows: new buffers of that width, pinned there
+                self._buffers = [keys.new_empty(keys.shape[0], indices.shape[0], *keys.shape[2:]) for _ in range(2)]
+            for old, new in zip((keys, values), self._buffers, strict=True):
+                new[:length] = old[:length].index_select(1, indices)
+            self._publish()
+            return
         keys, values, spare_keys, spare_values = self._buffers
         if indices.shape[0] != keys.shape[1]:  # fewer rows: new spares of that width
             spare_keys = keys.new_empty(keys.shape[0], indices.shape[0], *keys.shape[2:])

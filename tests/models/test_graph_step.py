@@ -113,3 +113,25 @@ def test_cuda_graphs_equal_the_eager_step_in_fp32(family, case, monkeypatch):
     for ours, theirs in zip(graphed.scores, eager.scores, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     _, _, report = harness.assert_same_generation(model, inputs, with_report=True, **CASES[case])
+
+
+def test_a_pinned_layer_reorders_in_place_as_an_unpinned_one_does():
+    from transformers.cache_utils import DynamicLayer
+
+    generator = torch.Generator().manual_seed(0)
+    plain = DynamicLayer()
+    plain.update(torch.randn(6, 2, 5, 4, generator=generator), torch.randn(6, 2, 5, 4, generator=generator))
+    swapping, pinned = lean_step.GrowingLayer(plain), lean_step.GrowingLayer(plain)
+    pinned.reserve(40)
+    pinned.pin()
+    address = pinned.key_buffer.data_ptr()
+    for indices in (torch.tensor([5, 5, 0, 1, 3, 2]), torch.tensor([1, 0, 2, 2, 4, 5]), torch.tensor([0, 3, 4])):
+        swapping.reorder_cache(indices)
+        pinned.reorder_cache(indices)
+        assert torch.equal(swapping.keys, pinned.keys) and torch.equal(swapping.values, pinned.values)
+        assert pinned.pinned and len(pinned._buffers) == 2
+    assert pinned.key_buffer.data_ptr() != address  # fewer rows: new buffers, pinned there
+    address = pinned.key_buffer.data_ptr()
+    pinned.reorder_cache(torch.tensor([2, 1, 0]))
+    swapping.reorder_cache(torch.tensor([2, 1, 0]))
+    assert pinned.key_buffer.data_ptr() == address and torch.equal(swapping.keys, pinned.keys)

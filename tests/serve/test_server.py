@@ -150,3 +150,23 @@ def test_bad_json_health_models_metrics(gpt2_server):
         'fastgen_requests_total{endpoint="generate",status="400"}',
     ):
         assert name in text, name
+
+
+def test_parameters_resolved_once_per_distinct_parameters(bart_server, monkeypatch):
+    """Resolving a request's settings walks the model; the app does it once per distinct parameters. A refused
+    combination is refused every time, and equal parameters get equal results."""
+    from fastgen.serve import app
+
+    calls, original = [], app.settings_for
+    monkeypatch.setattr(app, "settings_for", lambda *args: calls.append(args[1]) or original(*args))
+    bart_server.app.state.served.resolved.clear()
+    body = {"input_ids": [5, 6, 7], "parameters": {"num_beams": 2, "max_new_tokens": 7}}
+    refused = {"input_ids": [5], "parameters": {"num_beams": 2, "num_return_sequences": 3}}
+    with httpx.Client(base_url=bart_server.url, timeout=60) as client:
+        first, second = client.post("/v1/generate", json=body), client.post("/v1/generate", json=body)
+        other = client.post("/v1/generate", json={"input_ids": [5, 6, 7], "parameters": {"max_new_tokens": 7}})
+        statuses = [client.post("/v1/generate", json=refused).status_code for _ in range(2)]
+    assert first.status_code == second.status_code == other.status_code == 200
+    assert first.json()["results"][0]["sequences"] == second.json()["results"][0]["sequences"]
+    assert statuses == [400, 400]
+    assert len(calls) == 4  # body once, the other parameters once, the refused ones each time
