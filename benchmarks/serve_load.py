@@ -9,8 +9,11 @@ batch. fastgen-serve batches continuously (``fastgen.serve``). Every request ask
 
 For each model and each arrival rate, the driver sends ``rate x --seconds`` requests (at least 20, at most
 ``--max-requests``) at exponential gaps (seeded: both servers get the same inputs at the same offsets),
-alternating the two servers rate by rate, and records throughput and latency percentiles. A server's
-sustainable rate is the highest rate at which its p95 latency stays <= 2 s with no failure.
+alternating the two servers rate by rate, and records throughput, latency percentiles and the server
+process's CPU time per answered request (steadier than throughput on a shared machine: it counts the work,
+not the wait for a core). A server's sustainable rate is the highest rate at which its p95 latency stays
+<= 2 s with no failure; a rate past a server's capacity can pass that test when its window is short (the
+queue has not grown enough yet), hence windows of up to 480 requests.
 
     python -m benchmarks.serve_load --out benchmarks/results/serve_load.json
 """
@@ -70,6 +73,8 @@ MODELS: dict[str, dict[str, Any]] = {
     ),
 }
 P95_TARGET_S = 2.0
+#: requests per second of the warm-up (``--warmup`` requests, the same for both servers)
+WARMUP_RATE = 32.0
 
 
 def build(name: str) -> Any:
@@ -218,6 +223,12 @@ class Server:
         with open(f"/proc/{self.process.pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
+    def cpu_seconds(self) -> float:
+        """CPU time of the server process so far (user + system, every thread)."""
+        with open(f"/proc/{self.process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def threads(self) -> int:
         return len(os.listdir(f"/proc/{self.process.pid}/task"))
 
@@ -297,9 +308,11 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         for server in servers.values():
             server.wait_ready()
-        warm = workload(name, 8, seed=99)
-        for server in servers.values():  # warm-up: a few requests each
-            asyncio.run(drive(server.url, warm, params, rate=50.0, seed=1))
+        # warm-up: fastgen's exact linears settle their form per row count on first sight, and a server is a
+        # long-lived process; both servers get the same requests
+        warm = workload(name, args.warmup, seed=99)
+        for server in servers.values():
+            asyncio.run(drive(server.url, warm, params, rate=WARMUP_RATE, seed=1))
         rows: dict[str, list[dict]] = {kind: [] for kind in servers}
         memory: dict[str, list] = {kind: [] for kind in servers}
         saturated = set()
@@ -310,9 +323,11 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             for kind, server in servers.items():
                 if kind in saturated:
                     continue
-                before = load_average()
+                before, cpu = load_average(), server.cpu_seconds()
                 row = asyncio.run(drive(server.url, inputs, params, rate, seed=number))
                 outputs[kind] = row.pop("outputs")
+                answered = row["requests"] - row["failed"]
+                row["server_cpu_ms_per_request"] = round((server.cpu_seconds() - cpu) * 1e3 / max(1, answered), 1)
                 row["load_average"] = {"before": before, "after": load_average()}
                 rows[kind].append(row)
                 memory[kind].append({"rate": rate, "rss_mb": round(server.rss_mb(), 1), "threads": server.threads()})
@@ -347,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bart-rates", default="1,2,4,6,8,12")
     parser.add_argument("--gpt2-rates", default="2,4,8,12,16,24")
     parser.add_argument("--seconds", type=float, default=20.0, help="arrival window per rate")
-    parser.add_argument("--max-requests", type=int, default=240)
+    parser.add_argument("--max-requests", type=int, default=480)
+    parser.add_argument("--warmup", type=int, default=96, help="warm-up requests per server")
     parser.add_argument("--max-batch", type=int, default=16, help="inputs per batch (both servers)")
     parser.add_argument("--wait-ms", type=float, default=10.0, help="the baseline's batching window")
     parser.add_argument("--out", type=Path)
@@ -365,6 +381,8 @@ def main(argv: list[str] | None = None) -> None:
         "max_batch": args.max_batch,
         "wait_ms": args.wait_ms,
         "seconds": args.seconds,
+        "max_requests": args.max_requests,
+        "warmup_requests": args.warmup,
         "p95_target_s": P95_TARGET_S,
     }
     result["models"] = {name: run_model(name, args) for name in args.models.split(",")}
