@@ -73,6 +73,7 @@ from transformers.generation.utils import (
 
 from fastgen.models._caches import hypothesis_rows
 from fastgen.models.growing_cache import GrowingLayer
+from fastgen.ops import cpu_kernels
 from fastgen.ops.beam_topk import log_probs_top_k
 from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
 from fastgen.optimizer import report
@@ -324,6 +325,32 @@ def lean_step_switched_off() -> bool:
     return os.environ.get(LEAN_ENV, "1").strip().lower() in {"0", "false", "off", "no"}
 
 
+NATIVE_ENV = "FASTGEN_NATIVE_BEAM"
+
+
+def _native_update(stopping_criteria: Any, device: torch.device) -> tuple[torch.Tensor | None, int] | None:
+    """(end-of-sequence ids, length limit) where ``fastgen_cpu::beam_update_`` can run this call's steps c-f
+    (upstream's bits, one call instead of ~40 small ops), else None: on a GPU, without fastgen's CPU kernels
+    (never built for this), with ``FASTGEN_NATIVE_BEAM=0``, or where a length criterion could warn about the
+    model's position limit (upstream's criteria then run as written)."""
+    if device.type != "cpu" or os.environ.get(NATIVE_ENV, "1").strip().lower() in {"0", "false", "off", "no"}:
+        return None
+    if not cpu_kernels.available(build=False) or not hasattr(torch.ops.fastgen_cpu, "beam_update_"):
+        return None
+    eos, limits = [], []
+    for criterion in stopping_criteria or ():
+        if type(criterion) is MaxLengthCriteria:
+            positions = criterion.max_position_embeddings
+            if positions is not None and criterion.max_length > positions:
+                return None
+            limits.append(criterion.max_length)
+        elif type(criterion) is EosTokenCriteria:
+            eos.append(criterion.eos_token_id.reshape(-1).to(device=device, dtype=torch.long))
+        else:
+            return None
+    return (torch.cat(eos) if eos else None), min(limits, default=2**62)
+
+
 class _StepOutputs(dict):
     """What the loop reads of a forward's outputs (``.logits``, and the cache for the model kwargs)."""
 
@@ -441,6 +468,12 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
 
     flat_running_sequences = input_ids
     processors = None  # prepared at the first step, when V is known
+    native = _native_update(stopping_criteria, input_ids.device)
+    stopping = {True: 1, False: 0, "never": 2}.get(early_stopping)
+    if stopping is None:
+        native = None
+    if native is not None:
+        report.note_ran(FEATURE, "beam bookkeeping: C++ (fastgen_cpu.beam_update_)")
     lean = _lean_step(self, length_limit)
     prefill_consumed = False
     this_peer_finished = False
@@ -477,54 +510,64 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         if all_scores is not None:
             all_scores += (log_probs.clone(),)
         step = log_probs_top_k(log_probs, running_beam_scores, beams_to_keep)
-        topk_log_probs = step.scores
-        # c–f on the first cur_len + 1 positions only: past them every row of every buffer still holds
-        # its fill value, so upstream's whole-max_length gathers would move nothing else.
-        length, generated = cur_len + 1, cur_len + 1 - decoder_prompt_len
-        batch_offset = active.view(-1, 1) * num_beams  # upstream's batch index, whatever left the batch
-        topk_sequences = torch.cat(
-            (self._gather_beams(running_sequences[:, :, :cur_len], step.beams), step.tokens.unsqueeze(-1)), dim=-1
-        )
-        topk_beam_indices = torch.cat(
-            (
-                self._gather_beams(running_beam_indices[:, :, : generated - 1], step.beams),
-                (step.beams + batch_offset).to(running_beam_indices.dtype).unsqueeze(-1),
-            ),
-            dim=-1,
-        )
-        next_token_hits_stopping_criteria = stopping_criteria(self._flatten_beam_dim(topk_sequences), all_scores)
-        next_token_hits_stopping_criteria = self._unflatten_beam_dim(
-            next_token_hits_stopping_criteria, batch_size, beams_to_keep
-        )
-        # e. as _get_running_beams_for_next_iteration
-        topk_running_log_probs = topk_log_probs + next_token_hits_stopping_criteria.to(torch.float32) * -1.0e9
-        next_topk_indices = torch.topk(topk_running_log_probs, k=num_beams)[1]
-        running_sequences[:, :, :length] = self._gather_beams(topk_sequences, next_topk_indices)
-        running_beam_scores = self._gather_beams(topk_running_log_probs, next_topk_indices)
-        running_beam_indices[:, :, :generated] = self._gather_beams(topk_beam_indices, next_topk_indices)
-        # f. as _update_finished_beams, same arithmetic in the same order
-        did_top_num_beams_just_finished = next_token_hits_stopping_criteria & top_num_beam_mask[None, :]
-        candidate_scores = topk_log_probs / (generated**length_penalty)
-        beams_in_batch_are_full = torch.all(is_sent_finished, axis=-1, keepdims=True) & (early_stopping is True)
-        candidate_scores += beams_in_batch_are_full.to(torch.float32) * -1.0e9
-        candidate_scores += (~is_early_stop_heuristic_unsatisfied).to(torch.float32) * -1.0e9
-        candidate_scores += (~did_top_num_beams_just_finished) * -1.0e9
-        merged_scores = torch.cat((beam_scores, candidate_scores), dim=1)
-        topk_merged_indices = torch.topk(merged_scores, k=num_beams)[1]
-        merged_sequences = torch.cat((sequences[:, :, :length], topk_sequences), dim=1)
-        sequences[:, :, :length] = self._gather_beams(merged_sequences, topk_merged_indices)
-        merged_beam_indices = torch.cat((beam_indices[:, :, :generated], topk_beam_indices), dim=1)
-        beam_indices[:, :, :generated] = self._gather_beams(merged_beam_indices, topk_merged_indices)
-        beam_scores = self._gather_beams(merged_scores, topk_merged_indices)
-        merged_is_sent_finished = torch.cat((is_sent_finished, did_top_num_beams_just_finished), dim=1)
-        is_sent_finished = self._gather_beams(merged_is_sent_finished, topk_merged_indices)
+        if native is not None:  # steps c-f in one call, in place; upstream's bits (csrc/cpu/beam_update.cpp)
+            eos_ids, limit = native
+            beam_idx, next_token_hits_stopping_criteria = torch.ops.fastgen_cpu.beam_update_(
+                step.scores, step.beams, step.tokens, running_sequences, running_beam_scores, running_beam_indices,
+                sequences, beam_scores, beam_indices, is_sent_finished, is_early_stop_heuristic_unsatisfied,
+                eos_ids, cur_len + 1 >= limit, cur_len, decoder_prompt_len, max_length, float(length_penalty),
+                stopping, active,
+            )  # fmt: skip
+        else:
+            topk_log_probs = step.scores
+            # c–f on the first cur_len + 1 positions only: past them every row of every buffer still holds
+            # its fill value, so upstream's whole-max_length gathers would move nothing else.
+            length, generated = cur_len + 1, cur_len + 1 - decoder_prompt_len
+            batch_offset = active.view(-1, 1) * num_beams  # upstream's batch index, whatever left the batch
+            topk_sequences = torch.cat(
+                (self._gather_beams(running_sequences[:, :, :cur_len], step.beams), step.tokens.unsqueeze(-1)), dim=-1
+            )
+            topk_beam_indices = torch.cat(
+                (
+                    self._gather_beams(running_beam_indices[:, :, : generated - 1], step.beams),
+                    (step.beams + batch_offset).to(running_beam_indices.dtype).unsqueeze(-1),
+                ),
+                dim=-1,
+            )
+            next_token_hits_stopping_criteria = stopping_criteria(self._flatten_beam_dim(topk_sequences), all_scores)
+            next_token_hits_stopping_criteria = self._unflatten_beam_dim(
+                next_token_hits_stopping_criteria, batch_size, beams_to_keep
+            )
+            # e. as _get_running_beams_for_next_iteration
+            topk_running_log_probs = topk_log_probs + next_token_hits_stopping_criteria.to(torch.float32) * -1.0e9
+            next_topk_indices = torch.topk(topk_running_log_probs, k=num_beams)[1]
+            running_sequences[:, :, :length] = self._gather_beams(topk_sequences, next_topk_indices)
+            running_beam_scores = self._gather_beams(topk_running_log_probs, next_topk_indices)
+            running_beam_indices[:, :, :generated] = self._gather_beams(topk_beam_indices, next_topk_indices)
+            # f. as _update_finished_beams, same arithmetic in the same order
+            did_top_num_beams_just_finished = next_token_hits_stopping_criteria & top_num_beam_mask[None, :]
+            candidate_scores = topk_log_probs / (generated**length_penalty)
+            beams_in_batch_are_full = torch.all(is_sent_finished, axis=-1, keepdims=True) & (early_stopping is True)
+            candidate_scores += beams_in_batch_are_full.to(torch.float32) * -1.0e9
+            candidate_scores += (~is_early_stop_heuristic_unsatisfied).to(torch.float32) * -1.0e9
+            candidate_scores += (~did_top_num_beams_just_finished) * -1.0e9
+            merged_scores = torch.cat((beam_scores, candidate_scores), dim=1)
+            topk_merged_indices = torch.topk(merged_scores, k=num_beams)[1]
+            merged_sequences = torch.cat((sequences[:, :, :length], topk_sequences), dim=1)
+            sequences[:, :, :length] = self._gather_beams(merged_sequences, topk_merged_indices)
+            merged_beam_indices = torch.cat((beam_indices[:, :, :generated], topk_beam_indices), dim=1)
+            beam_indices[:, :, :generated] = self._gather_beams(merged_beam_indices, topk_merged_indices)
+            beam_scores = self._gather_beams(merged_scores, topk_merged_indices)
+            merged_is_sent_finished = torch.cat((is_sent_finished, did_top_num_beams_just_finished), dim=1)
+            is_sent_finished = self._gather_beams(merged_is_sent_finished, topk_merged_indices)
         if any(cache_key in model_kwargs for cache_key in ALL_CACHE_NAMES):
             cache_key = next(cache_key for cache_key in ALL_CACHE_NAMES if cache_key in model_kwargs)
-            beam_idx = running_beam_indices[..., cur_len - decoder_prompt_len]
-            if batch_size < len(final_scores):  # indices carry upstream's batch offsets; the cache is smaller
-                local = torch.arange(batch_size, device=active.device)
-                beam_idx = beam_idx - ((active - local) * num_beams).view(-1, 1).to(beam_idx.dtype)
-            beam_idx = self._flatten_beam_dim(beam_idx)
+            if native is None:
+                beam_idx = running_beam_indices[..., cur_len - decoder_prompt_len]
+                if batch_size < len(final_scores):  # indices carry upstream's batch offsets; the cache is smaller
+                    local = torch.arange(batch_size, device=active.device)
+                    beam_idx = beam_idx - ((active - local) * num_beams).view(-1, 1).to(beam_idx.dtype)
+                beam_idx = self._flatten_beam_dim(beam_idx)
             if hasattr(self, "_reorder_cache"):
                 model_kwargs[cache_key] = self._reorder_cache(model_kwargs[cache_key], beam_idx)
             elif hasattr(model_kwargs[cache_key], "reorder_cache"):
@@ -535,17 +578,18 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
                     "cannot be reordered"
                 )
         cur_len = cur_len + 1
-        is_early_stop_heuristic_unsatisfied = self._check_early_stop_heuristic(
-            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
-            running_beam_scores=running_beam_scores,
-            beam_scores=beam_scores,
-            is_sent_finished=is_sent_finished,
-            cur_len=cur_len,
-            max_length=max_length,
-            decoder_prompt_len=decoder_prompt_len,
-            early_stopping=early_stopping,
-            length_penalty=length_penalty,
-        )
+        if native is None:  # (the native update ran it already)
+            is_early_stop_heuristic_unsatisfied = self._check_early_stop_heuristic(
+                is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
+                running_beam_scores=running_beam_scores,
+                beam_scores=beam_scores,
+                is_sent_finished=is_sent_finished,
+                cur_len=cur_len,
+                max_length=max_length,
+                decoder_prompt_len=decoder_prompt_len,
+                early_stopping=early_stopping,
+                length_penalty=length_penalty,
+            )
         if not lazy_stop:  # the outputs show every step: upstream's check, every step
             this_peer_finished = not self._beam_search_has_unfinished_sequences(
                 is_early_stop_heuristic_unsatisfied, is_sent_finished, next_token_hits_stopping_criteria, early_stopping
