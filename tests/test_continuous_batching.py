@@ -153,6 +153,7 @@ def test_planted_bug_is_caught(models, monkeypatch, family):
     inputs = make_inputs(12, seed=8)
     settings, _ = resolve(model, kwargs)
 
+    monkeypatch.setenv("FASTGEN_LEAN_STEP", "0")  # the forward's path (the lean step's: tests/test_continuous_lean.py)
     monkeypatch.setattr(model_calls, "row_positions", lambda model, positions: model)  # the stock modules
     results = [r.sequences for r in run_continuous(model, inputs, settings, batch_rows=3)]
     wrong = [i for i, ids in enumerate(inputs) if not torch.equal(results[i], alone(model, ids, kwargs).sequences)]

@@ -71,14 +71,18 @@ def row_positions(model: Any, positions: list[torch.Tensor]) -> torch.nn.Module:
 
 
 class Decoder:
-    """The decoder steps of one ``generate_many`` call, on a private copy of the model made once per call.
+    """The decoder steps of one ``generate_many`` call: the lean step (:mod:`fastgen.continuous.lean`) where it
+    serves the model, else the model's forward on a private copy of the model made once per call.
 
     The position hooks live on the copy only: thread-safe and re-entrant without any state read inside
     the forward (the user's modules are never changed, not even between two steps)."""
 
     def __init__(self, model: Any) -> None:
+        from fastgen.continuous import lean
+
         self._positions = [torch.zeros(0, dtype=torch.long)]
-        self.model = row_positions(model, self._positions)
+        self.lean = lean.LeanStep(model) if lean.problem(model) is None else None
+        self.model = row_positions(model, self._positions) if self.lean is None else model
 
     def step(
         self,
@@ -89,6 +93,10 @@ class Decoder:
         cache: SlotCache,
     ) -> torch.Tensor:
         """:func:`decoder_step` with every row at its own ``positions[row]``."""
+        if self.lean is not None:
+            rows, width = cross_mask.shape
+            states = cache_states(tokens.device, rows, width, self.model.config.d_model, self.model.dtype)
+            return self.lean.step(tokens, positions, self_mask, cross_mask, cache, states)
         self._positions[0] = positions
         return decoder_step(self.model, tokens, self_mask, cross_mask, cache)
 
