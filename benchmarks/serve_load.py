@@ -91,6 +91,19 @@ def build(name: str) -> Any:
     return model.eval()
 
 
+def padded(model: Any, inputs: list[list[int]]) -> tuple[Any, Any]:
+    """``input_ids`` and ``attention_mask`` of a static batch as ``generate`` takes it (decoder-only: left-padded)."""
+    import torch
+
+    width, left = max(len(tokens) for tokens in inputs), not model.config.is_encoder_decoder
+    ids = torch.full((len(inputs), width), model.generation_config.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, tokens in enumerate(inputs):
+        span = slice(width - len(tokens), width) if left else slice(0, len(tokens))
+        ids[row, span], mask[row, span] = torch.tensor(tokens), 1
+    return ids, mask
+
+
 # -- the baseline server --------------------------------------------------------------------------------
 def baseline_app(model: Any, max_batch: int, wait_s: float) -> Any:
     """Static micro-batching: the requests of one wait window, one upstream ``generate`` on their padded batch."""
@@ -103,16 +116,11 @@ def baseline_app(model: Any, max_batch: int, wait_s: float) -> Any:
     import fastgen
 
     pending: asyncio.Queue = asyncio.Queue()
-    pad = model.generation_config.pad_token_id
     left = not model.config.is_encoder_decoder  # decoder-only models are padded on the left for generate
 
     def run(batch: list[tuple[list[int], dict]]) -> list[list[int]]:
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, (tokens, _) in enumerate(batch):
-            span = slice(width - len(tokens), width) if left else slice(0, len(tokens))
-            ids[row, span], mask[row, span] = torch.tensor(tokens), 1
+        ids, mask = padded(model, [tokens for tokens, _ in batch])
+        width = ids.shape[1]
         with fastgen.unpatched(), torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, **batch[0][1])
         rows = out.tolist()
@@ -176,6 +184,57 @@ def serve(kind: str, name: str, port: int, max_batch: int, wait_s: float) -> Non
     else:
         app = baseline_app(model, max_batch, wait_s)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+# -- capacity: each server's model work alone ------------------------------------------------------------
+def capacity(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Inputs per second of each server's model work alone, in this process, the three alternating round by
+    round (no HTTP, no arrivals: every input waiting from the start): upstream ``generate`` on padded batches of
+    ``--max-batch`` inputs (the baseline's work at saturation), fastgen's ``generate`` on the same batches, and
+    ``generate_many`` at fastgen-serve's rows per step (its engine's work). The ceiling of each server's
+    sustainable rate, steadier than through the servers on a shared machine."""
+    import torch
+
+    import fastgen
+    from fastgen.continuous.api import generate_many
+
+    torch.set_num_threads(1)
+    model, params = build(name), MODELS[name]["params"]
+    inputs = workload(name, args.capacity_inputs, seed=7)
+    batches = [padded(model, inputs[i : i + args.max_batch]) for i in range(0, len(inputs), args.max_batch)]
+    rows = args.max_batch * params.get("num_beams", 1)
+
+    def static(patched: bool) -> None:
+        with contextlib.nullcontext() if patched else fastgen.unpatched(), torch.no_grad():
+            for ids, mask in batches:
+                model.generate(input_ids=ids, attention_mask=mask, **params)
+
+    def continuous() -> None:
+        with torch.no_grad():
+            for _ in generate_many(model, [torch.tensor(tokens) for tokens in inputs], batch_rows=rows, **params):
+                pass
+
+    runs = {"upstream_static": lambda: static(False), "fastgen_static": lambda: static(True)}
+    runs["fastgen_continuous"] = continuous
+    rates: dict[str, list[float]] = {kind: [] for kind in runs}
+    for run in runs.values():  # warm-up: calibrations, kernels
+        run()
+    for round_ in range(args.capacity_rounds):
+        for kind in runs if round_ % 2 == 0 else reversed(runs):
+            start = time.perf_counter()
+            runs[kind]()
+            rates[kind].append(round(len(inputs) / (time.perf_counter() - start), 2))
+        print(f"{name} capacity round {round_}: {json.dumps(rates)}", flush=True)
+    median = {kind: sorted(values)[len(values) // 2] for kind, values in rates.items()}
+    base = median["upstream_static"]
+    return {
+        "inputs": len(inputs),
+        "rows_per_step": rows,
+        "inputs_per_s": rates,
+        "median_inputs_per_s": median,
+        "ratio_to_upstream": {kind: round(value / base, 3) for kind, value in median.items()},
+        "load_average": load_average(),
+    }
 
 
 # -- the driver -----------------------------------------------------------------------------------------
@@ -366,6 +425,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=96, help="warm-up requests per server")
     parser.add_argument("--max-batch", type=int, default=16, help="inputs per batch (both servers)")
     parser.add_argument("--wait-ms", type=float, default=10.0, help="the baseline's batching window")
+    parser.add_argument("--capacity-rounds", type=int, default=0, help="capacity rounds per model (0: none)")
+    parser.add_argument("--capacity-inputs", type=int, default=64)
+    parser.add_argument("--no-load", action="store_true", help="capacity only: no servers, no arrivals")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.serve:
@@ -385,13 +447,19 @@ def main(argv: list[str] | None = None) -> None:
         "warmup_requests": args.warmup,
         "p95_target_s": P95_TARGET_S,
     }
-    result["models"] = {name: run_model(name, args) for name in args.models.split(",")}
+    names = args.models.split(",")
+    if args.capacity_rounds:
+        result["capacity"] = {name: capacity(name, args) for name in names}
+    if not args.no_load:
+        result["models"] = {name: run_model(name, args) for name in names}
     result["load_average_end"] = load_average()
     result["driver_max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-    for name, data in result["models"].items():
+    for name, data in result.get("capacity", {}).items():
+        print(name, "capacity", json.dumps(data["ratio_to_upstream"]))
+    for name, data in result.get("models", {}).items():
         print(name, json.dumps(data["sustainable_rate"]))
 
 
