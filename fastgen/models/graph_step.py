@@ -6,15 +6,16 @@ and keeps the GPU busy ~12% of the time; a CUDA graph launches the step's decode
 A graph replays fixed kernels on fixed addresses, so the step must not change shape as the cache grows:
 
 - the self-attention K/V stay in :class:`~fastgen.models.growing_cache.GrowingLayer`'s time-major
-  buffers, reserved once to the call's length limit and pinned there (the beam reorder copies back in
-  place instead of swapping to spare buffers); the step writes its position with ``index_copy_`` at a
+  buffers, reserved once to the call's length limit (or, for a long or memory-hungry limit, doubled from
+  64 positions as the cache grows) and pinned there (the beam reorder copies back in place instead of
+  swapping to spare buffers); the step writes its position with ``index_copy_`` at a
   position held in a device tensor, and attends over the whole buffer with a mask ``slot <= position``
   (free slots are zeroed once, so a masked slot contributes exactly nothing);
 - positions are embedded from that device tensor; the cross-attention K/V and the encoder mask are the
   call's own tensors, fixed while its rows are.
 
-A graph is captured per row count (a new count means new buffers) and replayed while its buffers are
-current. The capture's warm run is that step's real computation, so capturing costs about one step.
+A graph is captured per row count and capacity (either change means new buffers) and replayed while its
+buffers are current. The capture's warm run is that step's real computation, so capturing costs about one step.
 Attention over the padded length reads the same numbers as upstream's over the filled prefix but may sum
 them in another order: the logits can differ from upstream's in the last bits (the tests measure it).
 Anything the capture cannot take (a host synchronisation in a user's module, say) runs the lean step
@@ -34,8 +35,13 @@ from fastgen.optimizer import report
 
 GRAPHS_ENV = "FASTGEN_CUDA_GRAPHS"
 
-#: graphs one call keeps per row count (the buffers are pinned: a second one means something else moved)
+#: graphs one call keeps per row count and capacity (the buffers are pinned: a second means something else moved)
 ROW_GRAPHS = 1
+#: the whole length limit is reserved at once up to this many positions, if it takes at most 1/FULL_SHARE of the
+#: free device memory; beyond, the buffers double from MIN_CAPACITY positions (a huge max_length stays cheap)
+FULL_LIMIT = 1024
+FULL_SHARE = 4
+MIN_CAPACITY = 64
 
 
 def graphs_switched_off() -> bool:
@@ -66,6 +72,7 @@ class StaticStep:
         self._stream = torch.cuda.Stream() if capture else None  # warm-up and capture on one side stream
         self.captures = 0
         self.capture_seconds = 0.0
+        self._full: bool | None = None  # reserve the whole length limit (decided at the first step)
 
     def takes(self, ids: torch.Tensor, self_layers: list[Any]) -> bool:
         """Whether this step can run these inputs (a graph needs the step's tensors on one CUDA device)."""
@@ -79,8 +86,9 @@ class StaticStep:
 
     def step(self, ids: torch.Tensor, self_layers: list[Any], crosses: list[Any], mask: Any, attend: Any) -> Any:
         """This step's logits ``(rows, 1, vocab)`` (None: this call's step runs eagerly from here on)."""
+        capacity = self._capacity(self_layers)
         for layer in self_layers:
-            layer.reserve(self.length_limit - layer.length)  # no-op once reserved
+            layer.reserve(capacity - layer.length)  # a no-op while the buffers hold `capacity` positions
             if not layer.pinned:
                 layer.pin()  # the beam reorder copies back in place: the buffers stay put
         position = self_layers[0].length
@@ -107,6 +115,21 @@ class StaticStep:
             layer.advance(1)
         return logits
 
+    def _capacity(self, self_layers: list[Any]) -> int:
+        """Positions to hold in the buffers: the call's whole length limit where that is short and small beside
+        the free memory (one capture per row count), else the next power of two of the length (the step then
+        attends over at most twice what it needs, and captures again each time the buffers double)."""
+        if self._full is None:
+            layer = self_layers[0]
+            keys = layer.key_buffer
+            full = 2 * len(self_layers) * self.length_limit * keys[0].numel() * keys.element_size()
+            free = torch.cuda.mem_get_info(keys.device)[0] if keys.is_cuda else full * FULL_SHARE
+            self._full = self.length_limit <= FULL_LIMIT and full <= free / FULL_SHARE
+        if self._full:
+            return self.length_limit
+        needed = self_layers[0].length + 1
+        return min(self.length_limit, max(MIN_CAPACITY, 1 << (needed - 1).bit_length()))
+
     @staticmethod
     def _key(ids: torch.Tensor, self_layers: list[Any], crosses: list[Any], mask: Any) -> tuple:
         buffers = tuple((layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr()) for layer in self_layers)
@@ -119,7 +142,8 @@ class StaticStep:
     ) -> torch.Tensor | None:  # fmt: skip
         """Run this step eagerly on static inputs (its real result), then capture it for the next ones."""
         started = time.perf_counter()
-        self._graphs = {k: g for k, g in self._graphs.items() if k[0] == ids.shape}  # fewer rows: old graphs done
+        # fewer rows or grown buffers: the old graphs are done
+        self._graphs = {k: g for k, g in self._graphs.items() if k[:2] == key[:2]}
         moving = len(self._graphs) >= ROW_GRAPHS
         for layer in self_layers:
             layer.clear_free()

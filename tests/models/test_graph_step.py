@@ -42,7 +42,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+#: in CI: the cases that exercise the most (n-gram bans, early EOS, padding; upstream's sampling loop)
+IN_CI = ("beam4-early-eos", "sample")
+
+
+@pytest.mark.parametrize("case", [c if c in IN_CI else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_the_static_step_equals_upstream(model, case, static_on_cpu):
     inputs = harness.tiny_inputs(model, batch=3, length=10)  # padded: the inputs have different lengths
     _, _, report = harness.assert_same_generation(model, inputs, with_report=True, **CASES[case])
@@ -135,3 +139,23 @@ def test_a_pinned_layer_reorders_in_place_as_an_unpinned_one_does():
     pinned.reorder_cache(torch.tensor([2, 1, 0]))
     swapping.reorder_cache(torch.tensor([2, 1, 0]))
     assert pinned.key_buffer.data_ptr() == address and torch.equal(swapping.keys, pinned.keys)
+
+
+@pytest.mark.parametrize("num_beams", [3, 1])
+def test_buffers_that_double_as_the_cache_grows_give_upstreams_tokens(num_beams, static_on_cpu, monkeypatch):
+    """A length limit past FULL_LIMIT: the buffers double as the cache grows (new buffers, zeroed, pinned)."""
+    monkeypatch.setattr(graph_step, "FULL_LIMIT", 8)
+    grown = []
+    reserve = lean_step.GrowingLayer.reserve
+
+    def recording_reserve(layer, new):
+        before = layer.key_buffer.shape[0]
+        reserve(layer, new)
+        if layer.key_buffer.shape[0] != before:
+            grown.append(layer.key_buffer.shape[0])
+
+    monkeypatch.setattr(lean_step.GrowingLayer, "reserve", recording_reserve)
+    model = harness.non_degenerate(harness.tiny_hf_model("mbart"))
+    inputs = harness.tiny_inputs(model, batch=3, length=10)
+    harness.assert_same_generation(model, inputs, num_beams=num_beams, min_new_tokens=40, max_new_tokens=40)
+    assert grown and max(grown) >= 41  # started at 33 positions, grew to hold the 41 of the call
