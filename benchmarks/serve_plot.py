@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = [ROOT / "benchmarks/results/serve_load.json", ROOT / "benchmarks/results/serve_load-high-rates.json"]
+RESULTS = [ROOT / "benchmarks/results/serve_load.json", ROOT / "benchmarks/results/serve_load-lean-step.json"]
 OUT = ROOT / "docs/benchmarks/img/serve-latency.svg"
 
 SERVERS = {"fastgen": ("fastgen-serve", "#3f6fb5"), "baseline": ("micro-batching baseline", "#e0803a")}
