@@ -931,7 +931,25 @@ def gpu_generation() -> str:
             f"| {r['scenario']} | {_environment(r)['device']} | {s['batch']}×{s['input_len']}→{s['new_tokens']} "
             f"| {s['dtype']} | **{r['speedup']:.2f}×** | {identical} | {result_date(path)} |"
         )
+    for path, r, v in _graph_step_rows():
+        s = r["settings"]
+        done, total = v["identical_rows_vs_upstream"].split("/")
+        identical = "yes" if done == total else f"{done}/{total} rows (fp16 near-ties)"
+        lines.append(
+            f"| {r['scenario']}, CUDA-graph step | {_environment(r)['device']} "
+            f"| {s['batch']}×{s['input_len']}→{s['new_tokens']} | {r['dtype']} | **{v['speedup_vs_upstream']:.2f}×** "
+            f"| {identical} | {result_date(path)} |"
+        )
     return "\n".join(lines)
+
+
+def _graph_step_rows() -> list[tuple[Path, dict, dict]]:
+    """``graph_step-*-cuda*.json``: (path, result, the graph variant's entry), warm medians against upstream."""
+    rows = []
+    for path in gpu_files("graph_step"):
+        r = json.loads(path.read_text())
+        rows.append((path, r, r["fastgen-graphs"]))
+    return rows
 
 
 def chart_gpu() -> str:
@@ -947,6 +965,10 @@ def chart_gpu() -> str:
                 _environment(r)["device"],
             )
         )
+    for _, r, v in _graph_step_rows():
+        s = r["settings"]
+        label = f"{r['scenario']} {s['batch']}×{s['input_len']}→{s['new_tokens']}, {r['dtype']}, CUDA graphs"
+        bars.append((label, v["speedup_vs_upstream"], _environment(r)["device"]))
     return bar_chart(
         "Speed-up over upstream Transformers on a GPU",
         bars,
