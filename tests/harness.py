@@ -523,6 +523,20 @@ def non_degenerate(model: transformers.PreTrainedModel) -> transformers.PreTrain
     return model
 
 
+def assert_leaving_inputs_match_upstream(model: transformers.PreTrainedModel) -> Any:
+    """Beam search where a quarter of the vocabulary ends a hypothesis (inputs finish at different steps and
+    leave the batch): tokens equal upstream's. Returns the patched call's :class:`fastgen.Report`."""
+    inputs = tiny_inputs(model, batch=4, length=10)
+    kwargs = dict(num_beams=3, max_new_tokens=16, eos_token_id=list(range(3, 30)), early_stopping=True)
+    with fastgen.unpatched(), torch.no_grad():
+        reference = model.generate(**inputs, **kwargs)
+    with fastgen.report() as report, torch.no_grad():
+        candidate = model.generate(**inputs, **kwargs)
+    assert torch.equal(candidate, reference)
+    assert "finished inputs left the batch" in report.ran.get("beam", [])
+    return report
+
+
 def generate_with_step(model, inputs, lean: bool, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> tuple[Any, Any]:
     """``generate`` (scores returned, seed 0) with the lean decode step on or off (``FASTGEN_LEAN_STEP``), and its
     :class:`fastgen.Report`."""
