@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import transformers
 from packaging.version import Version
-from transformers.cache_utils import DynamicLayer, EncoderDecoderCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -191,6 +191,67 @@ class LeanDecodeStep:
             return "no encoder states"
         return None
 
+    @staticmethod
+    def first_step_problem(model_inputs: dict[str, Any]) -> str | None:
+        """Why these inputs are not a call's first decode step the lean step can run (None: they are): one token,
+        a cache, nothing cached yet in either attention, encoder states (upstream's first forward then computes
+        the cross-attention K/V and fills both caches; so does :meth:`_first_step`, with the same calls)."""
+        unknown = set(model_inputs) - KNOWN_INPUTS
+        if unknown:
+            return f"model inputs {sorted(unknown)}"
+        ids = model_inputs.get("decoder_input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+            return "not a one-token decode step"
+        if not model_inputs.get("use_cache"):
+            return "no cache"
+        cache = model_inputs.get("cache", model_inputs.get("past_key_values"))
+        if not isinstance(cache, EncoderDecoderCache) or type(cache.self_attention_cache) is not DynamicCache:
+            return "not an encoder-decoder cache over a dynamic one"
+        layers = [*cache.self_attention_cache.layers, *cache.cross_attention_cache.layers]
+        if any(type(layer) is not DynamicLayer or layer.is_initialized for layer in layers):
+            return "a cache that holds K/V already (or layers of another kind)"
+        if any(cache.is_updated.values()):
+            return "cross-attention K/V marked as cached"
+        if getattr(model_inputs.get("encoder_outputs"), "last_hidden_state", None) is None:
+            return "no encoder states"
+        return None
+
+    def _first_step(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, EncoderDecoderCache] | None:
+        """The call's first decode step as upstream's forward computes it: both caches start empty, each layer's
+        cross-attention projects the encoder states and stores them (``is_updated``), as ``BartAttention`` does."""
+        ids = model_inputs["decoder_input_ids"]
+        cache: EncoderDecoderCache = model_inputs.get("cache", model_inputs.get("past_key_values"))
+        embeds, hidden = self._embed(ids, 0)
+        if self._masks(embeds, cache, model_inputs) is not None:
+            return None
+        decoder = self.decoder
+        if self.family.layernorm_embedding:
+            hidden = decoder.layernorm_embedding(hidden)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(decoder.config._attn_implementation, None)
+        states = model_inputs["encoder_outputs"].last_hidden_state
+        step = (cache.self_attention_cache, cache, attend, hidden.shape[:-1], states)
+        pre = self.family.pre_norm
+        for layer in decoder.layers:
+            hidden = _sublayer(hidden, layer.self_attn_layer_norm, pre, self._self_attention, layer.self_attn, step)
+            cross = layer.encoder_attn
+            hidden = _sublayer(hidden, layer.encoder_attn_layer_norm, pre, self._first_cross_attention, cross, step)
+            hidden = _sublayer(hidden, layer.final_layer_norm, pre, _feed_forward, layer, step)
+        if pre:
+            hidden = decoder.layer_norm(hidden)
+        model = self.model
+        return model.lm_head(hidden) + model.final_logits_bias.to(hidden.device), cache
+
+    def _first_cross_attention(self, hidden: torch.Tensor, attention: Any, step: tuple) -> torch.Tensor:
+        _, cache, attend, input_shape, states = step
+        query = attention.q_proj(hidden).view((*input_shape, -1, attention.head_dim)).transpose(1, 2)
+        kv_shape = (*states.shape[:-1], -1, attention.head_dim)
+        key = attention.k_proj(states).view(kv_shape).transpose(1, 2)
+        value = attention.v_proj(states).view(kv_shape).transpose(1, 2)
+        key, value = cache.cross_attention_cache.update(key, value, attention.layer_idx, kwargs={})
+        cache.is_updated[attention.layer_idx] = True
+        out, _ = attend(attention, query, key, value, self._encoder_mask, dropout=0.0, scaling=attention.scaling)
+        return attention.out_proj(out.reshape(*input_shape, -1).contiguous())
+
     def _embed(self, ids: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the token embeddings, embeddings + positions), as the family's decoder computes them."""
         decoder, family = self.decoder, self.family
@@ -233,7 +294,7 @@ class LeanDecodeStep:
 
     @staticmethod
     def _self_attention(hidden: torch.Tensor, attention: Any, step: tuple) -> torch.Tensor:
-        self_cache, _, attend, input_shape = step
+        self_cache, _, attend, input_shape = step[:4]
         shape = (*input_shape, -1, attention.head_dim)
         query = attention.q_proj(hidden).view(shape).transpose(1, 2)
         key = attention.k_proj(hidden).view(shape).transpose(1, 2)
@@ -282,6 +343,8 @@ class LeanDecodeStep:
     def step(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, EncoderDecoderCache] | None:
         """The logits of this step (None: run upstream's forward instead, the inputs being outside the step)."""
         if self.inputs_problem(model_inputs) is not None:
+            if self.first_step_problem(model_inputs) is None:
+                return self._first_step(model_inputs)
             return None
         ids = model_inputs["decoder_input_ids"]
         cache: EncoderDecoderCache = model_inputs.get("cache", model_inputs.get("past_key_values"))

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
 import fastgen
 from fastgen.models import lean_step
@@ -62,6 +62,43 @@ def test_one_step_equals_the_forward_bit_for_bit(model):
         layers = zip(lean_cache.self_attention_cache.layers, upstream_cache.self_attention_cache.layers, strict=True)
         for ours, theirs in layers:
             assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_the_first_step_equals_the_forward_bit_for_bit(model):
+    """The call's first decode step: both caches empty, the cross-attention K/V projected and stored."""
+    inputs = harness.tiny_inputs(model, batch=2, length=9)
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(**inputs)
+    ids = torch.full((2, 1), model.config.decoder_start_token_id)
+    base = dict(decoder_input_ids=ids, attention_mask=inputs["attention_mask"], encoder_outputs=encoder_outputs)
+    upstream_cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    lean_cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    step = lean_step.LeanDecodeStep(model)
+    assert step.first_step_problem({**base, "use_cache": True, "cache": lean_cache}) is None
+    with torch.no_grad():
+        reference = model(**base, use_cache=True, cache=upstream_cache)
+        logits, lean_cache = step.step({**base, "use_cache": True, "cache": lean_cache})
+    assert torch.equal(logits, reference.logits)
+    assert lean_cache.is_updated == upstream_cache.is_updated
+    for part in ("self_attention_cache", "cross_attention_cache"):
+        ours, theirs = getattr(lean_cache, part).layers, getattr(upstream_cache, part).layers
+        assert len(ours) == len(theirs) == model.config.decoder_layers
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert step.first_step_problem({**base, "use_cache": True, "cache": lean_cache}) is not None  # filled now
+
+
+@pytest.mark.parametrize("num_beams", [3, 1])
+def test_generate_takes_its_first_step_through_the_lean_step(model, num_beams, monkeypatch):
+    monkeypatch.setenv("FASTGEN_LEAN_STEP", "1")
+    calls = []
+    first = lean_step.LeanDecodeStep._first_step
+    monkeypatch.setattr(
+        lean_step.LeanDecodeStep, "_first_step", lambda self, inputs: calls.append(1) or first(self, inputs)
+    )
+    inputs = harness.tiny_inputs(model, batch=3, length=10)
+    harness.assert_same_generation(model, inputs, num_beams=num_beams, max_new_tokens=6)
+    assert calls == [1]
 
 
 _generate = harness.generate_with_step

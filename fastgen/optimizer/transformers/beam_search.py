@@ -47,6 +47,7 @@ that the difference never flips a choice.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -377,6 +378,16 @@ def _lean_step(model: Any, length_limit: int) -> Any:
     return lean_step.LeanDecodeStep(model, length_limit)
 
 
+def _first_step_through(model: Any, lean: Any) -> Any:
+    """The prefill's forward through the lean step (which takes a call's first decode step when its inputs are
+    what it reproduces), where no instance forward is on the model already."""
+    if lean is None or "forward" in model.__dict__:
+        return contextlib.nullcontext()
+    from fastgen.optimizer.transformers.lean_sample import _forward_through  # that module imports this one
+
+    return _forward_through(model, lean, finish=False)
+
+
 def other_device_reason(input_ids: torch.Tensor, model: Any) -> str | None:
     """Upstream (5.24) lets the inputs stay on another device than the model and moves each step's
     model inputs; fastgen's loops keep every tensor on one device, so such a call runs upstream's."""
@@ -477,9 +488,10 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
     lean = _lean_step(self, length_limit)
     prefill_consumed = False
     this_peer_finished = False
-    model_outputs = self._prefill(
-        input_ids, generation_config, model_kwargs, is_first_iteration=not generation_config.is_assistant
-    )
+    with _first_step_through(self, lean):
+        model_outputs = self._prefill(
+            input_ids, generation_config, model_kwargs, is_first_iteration=not generation_config.is_assistant
+        )
 
     # 4. the loop
     while self._has_unfinished_sequences(this_peer_finished, False, device=input_ids.device):

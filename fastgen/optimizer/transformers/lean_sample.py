@@ -48,8 +48,9 @@ def _problem(model: Any, generation_config: Any, model_kwargs: dict[str, Any], s
 
 
 @contextmanager
-def _forward_through(model: Any, step: Any) -> Iterator[None]:
-    """Inside the block, this thread's one-token decode steps of ``model`` run ``step``."""
+def _forward_through(model: Any, step: Any, finish: bool = True) -> Iterator[None]:
+    """Inside the block, this thread's one-token decode steps of ``model`` run ``step`` (``finish``: the call
+    ends with the block)."""
     owner = threading.get_ident()
     own_forward = type(model).forward
 
@@ -66,7 +67,8 @@ def _forward_through(model: Any, step: Any) -> Iterator[None]:
     finally:
         if model.__dict__.get("forward") is forward:
             del model.__dict__["forward"]
-        step.finish()
+        if finish:
+            step.finish()
 
 
 def make_sample(original: Callable[..., Any]) -> Callable[..., Any]:
