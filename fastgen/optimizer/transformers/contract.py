@@ -34,8 +34,13 @@ private (and why a private one stays), and the guard, the test that fails when i
   private attributes), lean_step and beam; admitted by exact class and Transformers release
   (``fastgen.models.lean_step.TESTED_TRANSFORMERS``). The compiled form of the step also recognises
   ``integrations.sdpa_attention.sdpa_attention_forward`` (public function) inside fastgen's attention
-  wrappers, and calls SDPA as it does. Guard: ``tests/models/test_lean_step.py`` and
-  ``tests/models/test_compiled_step.py`` (bit-identical steps, the exact mode against upstream).
+  wrappers, and calls SDPA as it does. The call's first step repeats what ``BartAttention`` does with an empty
+  ``EncoderDecoderCache`` (``cross_attention_cache.update`` of the projected encoder states, then
+  ``is_updated[layer] = True``); the beam loop's prefill reaches it through the same instance ``forward`` as
+  ``_sample``. On a GPU the step's static form (``fastgen/models/graph_step.py``) reads the same modules and
+  writes the self-attention buffers itself. Guard: ``tests/models/test_lean_step.py`` (the first step too),
+  ``tests/models/test_compiled_step.py`` and ``tests/models/test_graph_step.py`` (bit-identical steps, the
+  exact mode against upstream; the static step's tokens against upstream).
 - ``GenerationMixin._assisted_decoding`` (private), speculative: upstream raises for batch > 1 inside
   it. ``expects``.
 - ``AttentionInterface.get_interface`` (public registry class), dedup: wrapping the lookup rather than
