@@ -165,8 +165,8 @@ class LeanDecodeStep:
         self._grown.clear()
 
     @staticmethod
-    def inputs_problem(model_inputs: dict[str, Any]) -> str | None:
-        """Why these model inputs need upstream's forward (None: the step can run them)."""
+    def _one_token_problem(model_inputs: dict[str, Any]) -> str | None:
+        """What every step the lean step runs needs: known inputs, one new token, a cache, encoder states."""
         unknown = set(model_inputs) - KNOWN_INPUTS
         if unknown:
             return f"model inputs {sorted(unknown)}"
@@ -175,6 +175,16 @@ class LeanDecodeStep:
             return "not a one-token decode step"
         if not model_inputs.get("use_cache"):
             return "no cache"
+        if getattr(model_inputs.get("encoder_outputs"), "last_hidden_state", None) is None:
+            return "no encoder states"
+        return None
+
+    @classmethod
+    def inputs_problem(cls, model_inputs: dict[str, Any]) -> str | None:
+        """Why these model inputs need upstream's forward (None: the step can run them)."""
+        problem = cls._one_token_problem(model_inputs)
+        if problem is not None:
+            return problem
         cache = model_inputs.get("cache", model_inputs.get("past_key_values"))
         if not isinstance(cache, EncoderDecoderCache):
             return "not an encoder-decoder cache"
@@ -186,24 +196,16 @@ class LeanDecodeStep:
         crosses = cache.cross_attention_cache.layers
         if not crosses or any(not cache.is_updated.get(i) for i in range(len(crosses))):
             return "cross-attention K/V not cached yet"
-        encoder_outputs = model_inputs.get("encoder_outputs")
-        if getattr(encoder_outputs, "last_hidden_state", None) is None:
-            return "no encoder states"
         return None
 
-    @staticmethod
-    def first_step_problem(model_inputs: dict[str, Any]) -> str | None:
+    @classmethod
+    def first_step_problem(cls, model_inputs: dict[str, Any]) -> str | None:
         """Why these inputs are not a call's first decode step the lean step can run (None: they are): one token,
         a cache, nothing cached yet in either attention, encoder states (upstream's first forward then computes
         the cross-attention K/V and fills both caches; so does :meth:`_first_step`, with the same calls)."""
-        unknown = set(model_inputs) - KNOWN_INPUTS
-        if unknown:
-            return f"model inputs {sorted(unknown)}"
-        ids = model_inputs.get("decoder_input_ids")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
-            return "not a one-token decode step"
-        if not model_inputs.get("use_cache"):
-            return "no cache"
+        problem = cls._one_token_problem(model_inputs)
+        if problem is not None:
+            return problem
         cache = model_inputs.get("cache", model_inputs.get("past_key_values"))
         if not isinstance(cache, EncoderDecoderCache) or type(cache.self_attention_cache) is not DynamicCache:
             return "not an encoder-decoder cache over a dynamic one"
@@ -212,8 +214,6 @@ class LeanDecodeStep:
             return "a cache that holds K/V already (or layers of another kind)"
         if any(cache.is_updated.values()):
             return "cross-attention K/V marked as cached"
-        if getattr(model_inputs.get("encoder_outputs"), "last_hidden_state", None) is None:
-            return "no encoder states"
         return None
 
     def _first_step(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, EncoderDecoderCache] | None:
