@@ -24,6 +24,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
@@ -218,6 +219,67 @@ class DecoderStep : public torch::CustomClassHolder {
     return linear(hidden, linears_.back()).add(final_logits_bias_);
   }
 
+  // Continuous batching (fastgen.continuous.lean): every row at its own position, what the Python step of a
+  // continuous batch computes, op for op. ids (rows, 1); positions (rows,) int64: each row's position, where its
+  // K/V are written and its position embedding is read; width: the slots the self-attention reads; self_k /
+  // self_v: per layer the row-major slot buffers (capacity >= rows, slots >= width, heads * dim)
+  // (fastgen.continuous.cache.SlotLayer); self_mask: the 4-D mask the Python step gives the self-attention
+  // (None: none); cross_k / cross_v / cross_mask as in step(). Returns the logits (rows, 1, vocab).
+  at::Tensor step_rows(const at::Tensor& ids, const at::Tensor& positions, int64_t width,
+                       const std::vector<at::Tensor>& self_k, const std::vector<at::Tensor>& self_v,
+                       const std::optional<at::Tensor>& self_mask, const std::vector<at::Tensor>& cross_k,
+                       const std::vector<at::Tensor>& cross_v, const std::optional<at::Tensor>& cross_mask) {
+    TORCH_CHECK(ready(), "DecoderStep: a linear has no op yet");
+    TORCH_CHECK(static_cast<int64_t>(self_k.size()) == layers_ && static_cast<int64_t>(self_v.size()) == layers_ &&
+                    static_cast<int64_t>(cross_k.size()) == layers_ && static_cast<int64_t>(cross_v.size()) == layers_,
+                "DecoderStep: one cache tensor per layer");
+    const int64_t rows = ids.size(0);
+    TORCH_CHECK(ids.dim() == 2 && ids.size(1) == 1, "DecoderStep: ids must be (rows, 1)");
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong,
+                "DecoderStep: one int64 position per row");
+    const at::Tensor row_index = at::arange(rows, positions.options());
+    // the row-major slot write and the (rows, heads, width, dim) view of the slots in use, as SlotLayer.update
+    const auto write_and_view = [&](const at::Tensor& buffer, const at::Tensor& states) {
+      TORCH_CHECK(buffer.dim() == 3 && buffer.size(0) >= rows && buffer.size(1) >= width &&
+                      buffer.size(2) == heads_ * head_dim_,
+                  "DecoderStep: a slot buffer without room");
+      buffer.index_put_({row_index, positions}, states.reshape({rows, -1}));
+      return buffer.narrow(0, 0, rows).narrow(1, 0, width).unflatten(-1, {heads_, head_dim_}).transpose(1, 2);
+    };
+    at::Tensor embeds = at::embedding(embedding_, ids).mul(embed_scale_);
+    at::Tensor hidden = embeds.add(at::embedding(positions_, positions.unsqueeze(1).add(position_offset_)));
+    if (layernorm_embedding_) hidden = norm(hidden, norm_embedding_);
+    for (int64_t layer = 0; layer < layers_; ++layer) {
+      const Linear* lin = &linears_[static_cast<size_t>(layer * kLinearsPerLayer)];
+      const std::pair<at::Tensor, at::Tensor>* norms = &norms_[static_cast<size_t>(layer * kNormsPerLayer)];
+      // self-attention over each row's own slots
+      at::Tensor x = pre_norm_ ? norm(hidden, norms[0]) : hidden;
+      at::Tensor query = linear(x, lin[0]).view({rows, 1, heads_, head_dim_}).transpose(1, 2);
+      const at::Tensor keys = write_and_view(self_k[static_cast<size_t>(layer)], linear(x, lin[1]));
+      const at::Tensor values = write_and_view(self_v[static_cast<size_t>(layer)], linear(x, lin[2]));
+      at::Tensor out = attend(query, keys, values, self_mask);
+      hidden = sublayer(hidden, linear(out.reshape({rows, 1, -1}), lin[3]), norms[0]);
+      // cross-attention, an input's hypotheses as query rows of its cached K/V
+      x = pre_norm_ ? norm(hidden, norms[1]) : hidden;
+      const at::Tensor& ck = cross_k[static_cast<size_t>(layer)];
+      const int64_t inputs = ck.size(0);
+      TORCH_CHECK(inputs > 0 && rows % inputs == 0, "DecoderStep: rows must be a multiple of the inputs");
+      const int64_t group = rows / inputs;
+      query = linear(x, lin[4]).view({rows, 1, heads_, head_dim_}).transpose(1, 2);
+      if (group > 1) query = query.reshape({inputs, group, heads_, 1, head_dim_}).transpose(1, 2).reshape(
+                                 {inputs, heads_, group, head_dim_});
+      out = attend(query, ck, cross_v[static_cast<size_t>(layer)], cross_mask);
+      hidden = sublayer(hidden, linear(out.reshape({rows, 1, -1}), lin[5]), norms[1]);
+      // feed-forward
+      x = pre_norm_ ? norm(hidden, norms[2]) : hidden;
+      at::Tensor inner = linear(x, lin[6]);
+      if (lin[6].kind != kInt8Amx && lin[6].kind != kInt8Vnni) inner = activate(inner);
+      hidden = sublayer(hidden, linear(inner, lin[7]), norms[2]);
+    }
+    if (pre_norm_) hidden = norm(hidden, norm_final_);
+    return linear(hidden, linears_.back()).add(final_logits_bias_);
+  }
+
  private:
   at::Tensor norm(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& wb) const {
     return at::layer_norm(x, {x.size(-1)}, wb.first, wb.second, eps_);
@@ -286,5 +348,6 @@ TORCH_LIBRARY_FRAGMENT(fastgen_cpu, lib) {
       .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>>())
       .def("set_linear", &DecoderStep::set_linear)
       .def("ready", &DecoderStep::ready)
-      .def("step", &DecoderStep::step);
+      .def("step", &DecoderStep::step)
+      .def("step_rows", &DecoderStep::step_rows);
 }

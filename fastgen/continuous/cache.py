@@ -81,6 +81,15 @@ class SlotLayer(DynamicLayer):
         self.values = _heads_view(values, rows, self.width, self.value_heads)
         return self.keys, self.values
 
+    def prepare(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What :meth:`update` does besides the write, for a step that writes the K/V itself (the C++ step,
+        :mod:`fastgen.continuous.lean`): room and zeros up to :attr:`width`; returns the row-major buffers."""
+        if rows != self.rows:
+            raise ValueError(f"{rows} rows in the step, {self.rows} in the cache")
+        self._ensure(rows, self.width)
+        self._used = self.width
+        return self._buffers
+
     def _ensure(self, rows: int, width: int) -> None:
         """Capacity for ``rows`` rows of ``width`` slots (grown in chunks, old contents kept), and zeros in
         slots ``[clean, width)`` of the running rows."""

@@ -25,6 +25,7 @@ from transformers.masking_utils import create_bidirectional_mask, create_causal_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fastgen.continuous.cache import SlotCache
+from fastgen.models.compiled_step import switched_off as compiled_step_off
 from fastgen.models.lean_step import FAMILIES, model_problem
 from fastgen.optimizer import registry
 from fastgen.optimizer.transformers.beam_search import lean_step_switched_off
@@ -48,6 +49,7 @@ class LeanStep:
         self.decoder = model.get_decoder()
         self.attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.decoder.config._attn_implementation, None)
         self._cross: tuple[torch.Tensor, int, Any] | None = None  # (2-D mask, rows, its 4-D mask)
+        self._programs: dict[int, Any] = {}  # rows -> the C++ program for steps of that many rows (None: Python)
 
     def step(
         self,
@@ -62,9 +64,13 @@ class LeanStep:
         the encoder states' stand-in the masks read the shape of (:func:`fastgen.continuous.model.cache_states`)."""
         decoder, family, config = self.decoder, self.family, self.decoder.config
         ids = tokens.view(-1, 1)
-        embeds = decoder.embed_tokens(ids)
-        if family.scale_outside_embedding:
-            embeds = embeds * decoder.embed_scale
+        program = self._program(ids.shape[0], cache)
+        if program is not None:  # the masks read only the shape, dtype and device of the embeddings
+            embeds = torch.zeros((), dtype=states.dtype, device=states.device).expand(ids.shape[0], 1, states.shape[-1])
+        else:
+            embeds = decoder.embed_tokens(ids)
+            if family.scale_outside_embedding:
+                embeds = embeds * decoder.embed_scale
         self_attention = cache.cache.self_attention_cache
         mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=self_mask, cache=self_attention)
         cross = self._cross
@@ -73,6 +79,13 @@ class LeanStep:
                 config=config, inputs_embeds=embeds, attention_mask=cross_mask, encoder_hidden_states=states
             )
             cross = self._cross = (cross_mask, ids.shape[0], built)
+        if program is not None:
+            logits = self._compiled_step(program, ids, positions, mask, cross[2], cache)
+            if logits is not None:
+                return logits
+            embeds = decoder.embed_tokens(ids)
+            if family.scale_outside_embedding:
+                embeds = embeds * decoder.embed_scale
         table = decoder.embed_positions
         hidden = embeds + nn.Embedding.forward(table, positions[:, None] + getattr(table, "offset", 0))
         if family.layernorm_embedding:
@@ -93,6 +106,50 @@ class LeanStep:
         if pre:
             hidden = decoder.layer_norm(hidden)
         logits = self.model.lm_head(hidden) + self.model.final_logits_bias.to(hidden.device)
+        return logits[:, -1, :].to(torch.float32)
+
+    def _program(self, rows: int, cache: SlotCache) -> Any:
+        """The C++ program (:class:`fastgen.models.compiled_step.CompiledStep`) for a step of ``rows`` rows, or None
+        where the Python step runs it: the cache's first step (its buffers are made by the Python step), a mode
+        other than the exact one (the self-attention's mask would meet the fast modes' attention kernel, which
+        the program does not give a mask there), or a program that cannot run (the linears' forms not settled yet
+        for this row count: built again at a later step)."""
+        if compiled_step_off() or not all(layer.is_initialized for layer in cache.self_layers):
+            return None
+        if rows in self._programs:
+            return self._programs[rows]
+        from fastgen.models.compiled_step import CompiledStep
+
+        built = CompiledStep(self, self.attend, rows)
+        program = built if built.problem is None and not built.approximate else None
+        if program is not None or not built.retry:
+            self._programs[rows] = program
+        return program
+
+    def _compiled_step(
+        self, program: Any, ids: torch.Tensor, positions: torch.Tensor, mask: Any, cross_mask: Any, cache: SlotCache
+    ) -> torch.Tensor | None:
+        """The step's logits from the C++ program (``step_rows``: the Python step's ops in its order, the same
+        kernels), or None where the program does not take this step's masks or cross K/V."""
+        crosses = cache.cache.cross_attention_cache.layers
+        rows = ids.shape[0]
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dtype in (torch.bool, torch.float32)):
+            return None
+        if not program.takes(rows, crosses[0].keys, cross_mask):
+            return None
+        layers = cache.self_layers
+        buffers = [layer.prepare(rows) for layer in layers]
+        logits = program.program.step_rows(
+            ids,
+            positions,
+            layers[0].width,
+            [keys for keys, _ in buffers],
+            [values for _, values in buffers],
+            mask,
+            [kv.keys for kv in crosses],
+            [kv.values for kv in crosses],
+            cross_mask,
+        )
         return logits[:, -1, :].to(torch.float32)
 
     def _self_attention(self, hidden: torch.Tensor, attention: Any, slots: Any, mask: Any) -> torch.Tensor:
