@@ -17,6 +17,7 @@ run again each in a group of its own, so an input that raises fails alone and th
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import random
 import threading
@@ -30,7 +31,7 @@ import torch
 from fastgen.continuous import fallback
 from fastgen.continuous.decoder_only import run_decoder_only
 from fastgen.continuous.online import WAIT, Online
-from fastgen.continuous.scheduler import run_continuous
+from fastgen.continuous.scheduler import held_linear_scope, run_continuous
 from fastgen.continuous.search import Finished
 from fastgen.continuous.settings import Settings
 
@@ -274,10 +275,29 @@ class Engine:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         torch.set_num_threads(self._threads)
+        # generate's GEMM scopes, entered once per busy spell instead of once per step (no one else runs the
+        # model meanwhile); left when the engine has nothing to do, so an idle server's modules are the user's
+        scope = contextlib.ExitStack()
+        try:
+            self._loop(scope)
+        finally:
+            scope.close()
+
+    def _loop(self, scope: contextlib.ExitStack) -> None:
+        held = False
         while True:
             self._intake()
             busy = [group for group in self._groups.values() if group.has_work()]
+            if busy and not held:
+                try:
+                    scope.enter_context(held_linear_scope(self.model))
+                except Exception:  # the loops enter it per step then, and fail alone if it raises there too
+                    log.warning("fastgen-serve: entering the GEMM scopes raised", exc_info=True)
+                held = True
             if not busy:
+                if held:
+                    scope.close()
+                    held = False
                 self._drop_idle()
                 with self._cv:
                     if self._stopping and not self._inbox and not self._waiting:
