@@ -169,8 +169,9 @@ def baseline_app(model: Any, max_batch: int, wait_s: float) -> Any:
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-def serve(kind: str, name: str, port: int, max_batch: int, wait_s: float) -> None:
-    """Server process: ``kind`` fastgen or baseline."""
+def serve(kind: str, name: str, port: int, max_batch: int, wait_s: float, rows: int | None = None) -> None:
+    """Server process: ``kind`` fastgen or baseline; ``rows``: fastgen-serve's decoder rows per step (default: the
+    baseline's largest batch, ``max_batch`` inputs x beams)."""
     import torch
     import uvicorn
 
@@ -179,7 +180,7 @@ def serve(kind: str, name: str, port: int, max_batch: int, wait_s: float) -> Non
     if kind == "fastgen":
         from fastgen.serve import create_app
 
-        rows = max_batch * MODELS[name]["params"].get("num_beams", 1)
+        rows = rows or max_batch * MODELS[name]["params"].get("num_beams", 1)
         app = create_app(model, name=name, batch_rows=rows, max_queue=4096, max_new_tokens=512)
     else:
         app = baseline_app(model, max_batch, wait_s)
@@ -202,7 +203,7 @@ def capacity(name: str, args: argparse.Namespace) -> dict[str, Any]:
     model, params = build(name), MODELS[name]["params"]
     inputs = workload(name, args.capacity_inputs, seed=7)
     batches = [padded(model, inputs[i : i + args.max_batch]) for i in range(0, len(inputs), args.max_batch)]
-    rows = args.max_batch * params.get("num_beams", 1)
+    rows = args.rows_per_step or args.max_batch * params.get("num_beams", 1)
 
     def static(patched: bool) -> None:
         with contextlib.nullcontext() if patched else fastgen.unpatched(), torch.no_grad():
@@ -262,6 +263,8 @@ class Server:
             str(args.max_batch),
             "--wait-ms",
             str(args.wait_ms),
+            "--rows-per-step",
+            str(args.rows_per_step or 0),
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.process = subprocess.Popen(command, env=env)
@@ -425,13 +428,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=96, help="warm-up requests per server")
     parser.add_argument("--max-batch", type=int, default=16, help="inputs per batch (both servers)")
     parser.add_argument("--wait-ms", type=float, default=10.0, help="the baseline's batching window")
+    parser.add_argument(
+        "--rows-per-step",
+        type=int,
+        default=0,
+        help="fastgen-serve's decoder rows per step (its --batch-rows; 0: --max-batch inputs x beams); also the "
+        "rows of generate_many in --capacity-rounds",
+    )
     parser.add_argument("--capacity-rounds", type=int, default=0, help="capacity rounds per model (0: none)")
     parser.add_argument("--capacity-inputs", type=int, default=64)
     parser.add_argument("--no-load", action="store_true", help="capacity only: no servers, no arrivals")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.serve:
-        serve(args.serve, args.model, args.port, args.max_batch, args.wait_ms / 1000)
+        serve(args.serve, args.model, args.port, args.max_batch, args.wait_ms / 1000, args.rows_per_step or None)
         return
     from benchmarks.measure import environment, result_header
 
@@ -442,6 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     result["settings"] = {
         "max_batch": args.max_batch,
         "wait_ms": args.wait_ms,
+        "fastgen_rows_per_step": args.rows_per_step or None,
         "seconds": args.seconds,
         "max_requests": args.max_requests,
         "warmup_requests": args.warmup,
