@@ -34,6 +34,10 @@
 
 #include "vec.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using fastgen_cpu::kLanes;
@@ -56,14 +60,15 @@ Strides strides_of(const at::Tensor& t) {  // (B, H, M|S, D|S) view strides, 0 w
   return {st(0), st(1), st(2), st(3)};
 }
 
-// scores[r, s] = q[r] . k[s] for rows r < R, by dot products (few rows: each key row read once)
+// scores[r, s] = q[r] . k[s] for rows r < R (rows `stride` floats apart), by dot products (few rows: each key
+// row read once)
 template <int kD>
 void scores_by_dots(const float* q, int64_t R, const float* k, int64_t k_stride, int64_t S, int64_t D,
-                    float* scores) {
+                    float* scores, int64_t stride) {
   const int64_t n = kD > 0 ? kD : D;
   for (int64_t r = 0; r < R; ++r) {
     const float* qr = q + r * n;
-    float* row = scores + r * S;
+    float* row = scores + r * stride;
     for (int64_t s = 0; s < S; ++s) {
       const float* ks = k + s * k_stride;
       float sum = 0.0f;
@@ -118,14 +123,18 @@ inline float row_max(const float* row, int64_t S) {
     const vfloat x = load(row + s);
     acc = x > acc ? x : acc;
   }
+#if defined(__AVX512F__)
+  float peak = _mm512_reduce_max_ps(reinterpret_cast<__m512>(acc));  // a tree, not 16 dependent maxss
+#else
   float peak = kNegInf;
   for (int i = 0; i < kLanes; ++i) peak = std::max(peak, acc[i]);
+#endif
   for (; s < S; ++s) peak = std::max(peak, row[s]);
   return peak;
 }
 
-// adds the mask to rows r < R (query rows m0 + r; rows `stride` floats apart), turns their first S
-// entries into softmax numerators; 1/sum per row
+// adds the mask to rows r < R (query rows m0 + r; rows `stride` floats apart, stride >= S rounded up to whole
+// vectors), turns their first S entries into softmax numerators (zeros after them); 1/sum per row
 template <typename MaskT>
 void softmax_rows(float* scores, int64_t stride, int64_t R, int64_t S, const MaskT* mask, Strides ms, int64_t m0,
                   float* inv_sum) {
@@ -152,16 +161,20 @@ void softmax_rows(float* scores, int64_t stride, int64_t R, int64_t S, const Mas
         }
       }
     }
-    const float peak = row_max(row, S);
+    // the row's padding to whole vectors (stride >= S rounded up) holds -inf: every loop below runs whole
+    // vectors (a row of 15 keys ran its scalar tail loop, 15 scalar exps, before)
+    const int64_t whole = (S + kLanes - 1) / kLanes * kLanes;
+    std::fill(row + S, row + whole, kNegInf);
+    const float peak = row_max(row, whole);
     if (peak == kNegInf) {  // everything masked out: zeros
-      std::fill(row, row + S, 0.0f);
+      std::fill(row, row + whole, 0.0f);
       inv_sum[r] = 0.0f;
       continue;
     }
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t s = 0; s < S; ++s) {
-      const float e = vexp(row[s] - peak);
+    for (int64_t s = 0; s < whole; ++s) {
+      const float e = vexp(row[s] - peak);  // 0 in the padding
       row[s] = e;
       sum += e;
     }
@@ -170,25 +183,42 @@ void softmax_rows(float* scores, int64_t stride, int64_t R, int64_t S, const Mas
 }
 
 // out[r] = inv_sum[r] * sum_s p[r, s] v[s] for rows r < R; out rows o_stride floats apart.
-// kD a multiple of kLanes: kRows x D accumulators in registers, each value row read once per block.
+// kD a multiple of kLanes: R x D accumulators in registers, each value row read once per block.
+template <int kD, int kR>
+void weighted_values_blocked(const float* p, int64_t p_stride, int64_t S, const float* v, int64_t v_stride,
+                             const float* inv_sum, float* out, int64_t o_stride) {
+  constexpr int kVecs = kD / kLanes;
+  vfloat acc[kR][kVecs] = {};
+  for (int64_t s = 0; s < S; ++s) {
+    const float* vs = v + s * v_stride;
+    vfloat vv[kVecs];
+    for (int c = 0; c < kVecs; ++c) vv[c] = load(vs + c * kLanes);
+    for (int r = 0; r < kR; ++r) {
+      const float pr = p[r * p_stride + s];
+      for (int c = 0; c < kVecs; ++c) acc[r][c] += pr * vv[c];
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int c = 0; c < kVecs; ++c) store(out + r * o_stride + c * kLanes, acc[r][c] * inv_sum[r]);
+}
+
 template <int kD>
 void weighted_values(const float* p, int64_t p_stride, int64_t R, int64_t S, const float* v, int64_t v_stride,
                      int64_t D, const float* inv_sum, float* out, int64_t o_stride) {
   constexpr bool kBlocked = kD > 0 && kD % kLanes == 0 && kD / kLanes * kRows <= 16;
-  if (kBlocked && R == kRows) {
-    constexpr int kVecs = kBlocked ? kD / kLanes : 1;
-    vfloat acc[kRows][kVecs] = {};
-    for (int64_t s = 0; s < S; ++s) {
-      const float* vs = v + s * v_stride;
-      vfloat vv[kVecs];
-      for (int c = 0; c < kVecs; ++c) vv[c] = load(vs + c * kLanes);
-      for (int64_t r = 0; r < kRows; ++r) {
-        const float pr = p[r * p_stride + s];
-        for (int c = 0; c < kVecs; ++c) acc[r][c] += pr * vv[c];
-      }
+  static_assert(kRows == 4, "the blocked forms below are for up to four rows");
+  if constexpr (kBlocked) {  // R rows of accumulators in registers (a decode step's self-attention has one)
+    constexpr int kB = kBlocked ? kD : kLanes;
+    switch (R) {
+      case 1:
+        return weighted_values_blocked<kB, 1>(p, p_stride, S, v, v_stride, inv_sum, out, o_stride);
+      case 2:
+        return weighted_values_blocked<kB, 2>(p, p_stride, S, v, v_stride, inv_sum, out, o_stride);
+      case 3:
+        return weighted_values_blocked<kB, 3>(p, p_stride, S, v, v_stride, inv_sum, out, o_stride);
+      default:
+        return weighted_values_blocked<kB, 4>(p, p_stride, S, v, v_stride, inv_sum, out, o_stride);
     }
-    for (int64_t r = 0; r < kRows; ++r)
-      for (int c = 0; c < kVecs; ++c) store(out + r * o_stride + c * kLanes, acc[r][c] * inv_sum[r]);
   } else {
     for (int64_t r = 0; r < R; ++r) {
       float* o = out + r * o_stride;
@@ -215,7 +245,8 @@ void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value
   const float* v_base = value.data_ptr<float>();
   float* o_base = out.data_ptr<float>();  // (B, M, H, D) contiguous
   const bool panels = M > kDotRows;  // many query rows: K transposed once per pair pays for itself
-  const int64_t padded = panels ? (S + kCols - 1) / kCols * kCols : S;
+  // scores rows: whole panels, or whole vectors (the softmax runs whole vectors)
+  const int64_t padded = panels ? (S + kCols - 1) / kCols * kCols : (S + kLanes - 1) / kLanes * kLanes;
   // a pair costs ~ 4*M*S*D flops; keep small problems on one thread
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, M * S * D / 64));
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
@@ -232,7 +263,8 @@ void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value
       if (panels) transpose_into_panels(k, ks.m, S, D, kt.data());
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {
         const int64_t R = std::min(kRows, M - m0);
-        for (int64_t r = 0; r < kRows; ++r) {  // the block's queries, scaled and contiguous (zeros past R)
+        // the block's queries, scaled and contiguous (zeros past R, which the panels' micro-kernel reads)
+        for (int64_t r = 0; r < (panels ? kRows : R); ++r) {
           float* dst = qblock.data() + r * D;
           if (r >= R) {
             std::fill(dst, dst + D, 0.0f);
@@ -244,7 +276,7 @@ void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value
         if (panels) {
           scores_by_panels(qblock.data(), kt.data(), padded, D, scores.data());
         } else {
-          scores_by_dots<kD>(qblock.data(), R, k, ks.m, S, D, scores.data());
+          scores_by_dots<kD>(qblock.data(), R, k, ks.m, S, D, scores.data(), padded);
         }
         softmax_rows<MaskT>(scores.data(), padded, R, S, pair_mask, ms, m0, inv_sum);
         float* out_rows = o_base + ((b * M + m0) * H + h) * D;
