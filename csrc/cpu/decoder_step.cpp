@@ -172,12 +172,8 @@ class DecoderStep : public torch::CustomClassHolder {
   at::Tensor step(const at::Tensor& ids, int64_t length, const std::vector<at::Tensor>& self_k,
                   const std::vector<at::Tensor>& self_v, const std::vector<at::Tensor>& cross_k,
                   const std::vector<at::Tensor>& cross_v, const std::optional<at::Tensor>& cross_mask) {
-    TORCH_CHECK(ready(), "DecoderStep: a linear has no op yet");
-    TORCH_CHECK(static_cast<int64_t>(self_k.size()) == layers_ && static_cast<int64_t>(self_v.size()) == layers_ &&
-                    static_cast<int64_t>(cross_k.size()) == layers_ && static_cast<int64_t>(cross_v.size()) == layers_,
-                "DecoderStep: one cache tensor per layer");
+    check_inputs(ids, self_k, self_v, cross_k, cross_v);
     const int64_t rows = ids.size(0);
-    TORCH_CHECK(ids.dim() == 2 && ids.size(1) == 1, "DecoderStep: ids must be (rows, 1)");
     // embeddings: the scale always multiplies (BART's scaled embedding and Marian's decoder both do)
     at::Tensor embeds = at::embedding(embedding_, ids).mul(embed_scale_);
     at::Tensor hidden = embeds.add(positions_.select(0, length + position_offset_));
@@ -198,25 +194,9 @@ class DecoderStep : public torch::CustomClassHolder {
       const at::Tensor values = vbuf.narrow(0, 0, length + 1).permute({1, 2, 0, 3});
       at::Tensor out = attend(query, keys, values, std::nullopt);
       hidden = sublayer(hidden, linear(out.reshape({rows, 1, -1}), lin[3]), norms[0]);
-      // cross-attention, an input's hypotheses as query rows of its cached K/V
-      x = pre_norm_ ? norm(hidden, norms[1]) : hidden;
-      const at::Tensor& ck = cross_k[static_cast<size_t>(layer)];
-      const int64_t inputs = ck.size(0);
-      TORCH_CHECK(inputs > 0 && rows % inputs == 0, "DecoderStep: rows must be a multiple of the inputs");
-      const int64_t group = rows / inputs;
-      query = linear(x, lin[4]).view({rows, 1, heads_, head_dim_}).transpose(1, 2);
-      if (group > 1) query = query.reshape({inputs, group, heads_, 1, head_dim_}).transpose(1, 2).reshape(
-                                 {inputs, heads_, group, head_dim_});
-      out = attend(query, ck, cross_v[static_cast<size_t>(layer)], cross_mask);
-      hidden = sublayer(hidden, linear(out.reshape({rows, 1, -1}), lin[5]), norms[1]);
-      // feed-forward
-      x = pre_norm_ ? norm(hidden, norms[2]) : hidden;
-      at::Tensor inner = linear(x, lin[6]);
-      if (lin[6].kind != kInt8Amx && lin[6].kind != kInt8Vnni) inner = activate(inner);
-      hidden = sublayer(hidden, linear(inner, lin[7]), norms[2]);
+      hidden = cross_and_feed_forward(hidden, layer, cross_k, cross_v, cross_mask);
     }
-    if (pre_norm_) hidden = norm(hidden, norm_final_);
-    return linear(hidden, linears_.back()).add(final_logits_bias_);
+    return logits(hidden);
   }
 
   // Continuous batching (fastgen.continuous.lean): every row at its own position, what the Python step of a
@@ -229,12 +209,8 @@ class DecoderStep : public torch::CustomClassHolder {
                        const std::vector<at::Tensor>& self_k, const std::vector<at::Tensor>& self_v,
                        const std::optional<at::Tensor>& self_mask, const std::vector<at::Tensor>& cross_k,
                        const std::vector<at::Tensor>& cross_v, const std::optional<at::Tensor>& cross_mask) {
-    TORCH_CHECK(ready(), "DecoderStep: a linear has no op yet");
-    TORCH_CHECK(static_cast<int64_t>(self_k.size()) == layers_ && static_cast<int64_t>(self_v.size()) == layers_ &&
-                    static_cast<int64_t>(cross_k.size()) == layers_ && static_cast<int64_t>(cross_v.size()) == layers_,
-                "DecoderStep: one cache tensor per layer");
+    check_inputs(ids, self_k, self_v, cross_k, cross_v);
     const int64_t rows = ids.size(0);
-    TORCH_CHECK(ids.dim() == 2 && ids.size(1) == 1, "DecoderStep: ids must be (rows, 1)");
     TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong,
                 "DecoderStep: one int64 position per row");
     const at::Tensor row_index = at::arange(rows, positions.options());
@@ -259,28 +235,50 @@ class DecoderStep : public torch::CustomClassHolder {
       const at::Tensor values = write_and_view(self_v[static_cast<size_t>(layer)], linear(x, lin[2]));
       at::Tensor out = attend(query, keys, values, self_mask);
       hidden = sublayer(hidden, linear(out.reshape({rows, 1, -1}), lin[3]), norms[0]);
-      // cross-attention, an input's hypotheses as query rows of its cached K/V
-      x = pre_norm_ ? norm(hidden, norms[1]) : hidden;
-      const at::Tensor& ck = cross_k[static_cast<size_t>(layer)];
-      const int64_t inputs = ck.size(0);
-      TORCH_CHECK(inputs > 0 && rows % inputs == 0, "DecoderStep: rows must be a multiple of the inputs");
-      const int64_t group = rows / inputs;
-      query = linear(x, lin[4]).view({rows, 1, heads_, head_dim_}).transpose(1, 2);
-      if (group > 1) query = query.reshape({inputs, group, heads_, 1, head_dim_}).transpose(1, 2).reshape(
-                                 {inputs, heads_, group, head_dim_});
-      out = attend(query, ck, cross_v[static_cast<size_t>(layer)], cross_mask);
-      hidden = sublayer(hidden, linear(out.reshape({rows, 1, -1}), lin[5]), norms[1]);
-      // feed-forward
-      x = pre_norm_ ? norm(hidden, norms[2]) : hidden;
-      at::Tensor inner = linear(x, lin[6]);
-      if (lin[6].kind != kInt8Amx && lin[6].kind != kInt8Vnni) inner = activate(inner);
-      hidden = sublayer(hidden, linear(inner, lin[7]), norms[2]);
+      hidden = cross_and_feed_forward(hidden, layer, cross_k, cross_v, cross_mask);
     }
+    return logits(hidden);
+  }
+
+ private:
+  void check_inputs(const at::Tensor& ids, const std::vector<at::Tensor>& self_k, const std::vector<at::Tensor>& self_v,
+                    const std::vector<at::Tensor>& cross_k, const std::vector<at::Tensor>& cross_v) const {
+    TORCH_CHECK(ready(), "DecoderStep: a linear has no op yet");
+    TORCH_CHECK(static_cast<int64_t>(self_k.size()) == layers_ && static_cast<int64_t>(self_v.size()) == layers_ &&
+                    static_cast<int64_t>(cross_k.size()) == layers_ && static_cast<int64_t>(cross_v.size()) == layers_,
+                "DecoderStep: one cache tensor per layer");
+    TORCH_CHECK(ids.dim() == 2 && ids.size(1) == 1, "DecoderStep: ids must be (rows, 1)");
+  }
+
+  // a layer's cross-attention (an input's hypotheses as query rows of its cached K/V) and feed-forward
+  at::Tensor cross_and_feed_forward(at::Tensor hidden, int64_t layer, const std::vector<at::Tensor>& cross_k,
+                                    const std::vector<at::Tensor>& cross_v,
+                                    const std::optional<at::Tensor>& cross_mask) const {
+    const Linear* lin = &linears_[static_cast<size_t>(layer * kLinearsPerLayer)];
+    const std::pair<at::Tensor, at::Tensor>* norms = &norms_[static_cast<size_t>(layer * kNormsPerLayer)];
+    const int64_t rows = hidden.size(0);
+    at::Tensor x = pre_norm_ ? norm(hidden, norms[1]) : hidden;
+    const at::Tensor& ck = cross_k[static_cast<size_t>(layer)];
+    const int64_t inputs = ck.size(0);
+    TORCH_CHECK(inputs > 0 && rows % inputs == 0, "DecoderStep: rows must be a multiple of the inputs");
+    const int64_t group = rows / inputs;
+    at::Tensor query = linear(x, lin[4]).view({rows, 1, heads_, head_dim_}).transpose(1, 2);
+    if (group > 1) query = query.reshape({inputs, group, heads_, 1, head_dim_}).transpose(1, 2).reshape(
+                               {inputs, heads_, group, head_dim_});
+    at::Tensor out = attend(query, ck, cross_v[static_cast<size_t>(layer)], cross_mask);
+    hidden = sublayer(hidden, linear(out.reshape({rows, 1, -1}), lin[5]), norms[1]);
+    // feed-forward
+    x = pre_norm_ ? norm(hidden, norms[2]) : hidden;
+    at::Tensor inner = linear(x, lin[6]);
+    if (lin[6].kind != kInt8Amx && lin[6].kind != kInt8Vnni) inner = activate(inner);
+    return sublayer(hidden, linear(inner, lin[7]), norms[2]);
+  }
+
+  at::Tensor logits(at::Tensor hidden) const {
     if (pre_norm_) hidden = norm(hidden, norm_final_);
     return linear(hidden, linears_.back()).add(final_logits_bias_);
   }
 
- private:
   at::Tensor norm(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& wb) const {
     return at::layer_norm(x, {x.size(-1)}, wb.first, wb.second, eps_);
   }
