@@ -74,3 +74,61 @@ def test_slot_layer_matches_a_per_row_reference():
             for index, entries in enumerate(rows):
                 assert torch.count_nonzero(view[index, len(entries) :]) == 0, (step, index)
     assert grew and reordered and retired and prefilled, (grew, reordered, retired, prefilled)
+
+
+def test_cross_slots_match_a_per_input_reference():
+    """The cross K/V after joins (strided views, of several widths), retirements (the last inputs moved into
+    the holes) and narrowing: each running input reads its own K/V at its slots, and zeros past what its
+    encoder call wrote (never another input's values), through views of the buffers the joins wrote into."""
+    from fastgen.continuous.cache import SlotCache
+    from fastgen.continuous.scheduler import _rows, compaction
+
+    rng = random.Random(1)
+    torch.manual_seed(1)
+    layers, per_input = 2, 2  # cross rows per input (beams that do not share their K/V)
+    cache = SlotCache(layers)
+    running: list[tuple[list[torch.Tensor], int]] = []  # per input: its K per layer (V = -K), its length
+    buffers_seen, joins, moved, shrunk = set(), 0, 0, False
+    for _ in range(80):
+        action = rng.choice(["join", "join", "leave"])
+        if action == "join" or not running:
+            count = rng.randint(1, 3)
+            lengths = [rng.randint(1, 3 * SLOT_CHUNK if rng.random() < 0.2 else SLOT_CHUNK) for _ in range(count)]
+            width = max(lengths)
+            encoded = [torch.randn(count * per_input + 2, HEADS, width + 5, DIM) for _ in range(layers)]
+            views = [
+                (k[1 : 1 + count * per_input, :, :width], -k[1 : 1 + count * per_input, :, :width]) for k in encoded
+            ]
+            cache.add(count * per_input, views)
+            joins += 1
+            for i, length in enumerate(lengths):
+                rows = slice(1 + i * per_input, 1 + (i + 1) * per_input)
+                running.append(([k[rows, :, :width].clone() for k in encoded], length))
+        else:
+            keep = sorted(rng.sample(range(len(running)), rng.randint(0, len(running) - 1)))
+            order, holes, movers = compaction(keep)
+            moved += len(holes)
+            cache.move_cross(_rows(holes, per_input), _rows(movers, per_input), len(keep) * per_input)
+            running = [running[i] for i in order]
+            slots = cache._cross[0][0].shape[2]
+            cache.narrow_cross(max((length for _, length in running), default=0))
+            shrunk |= cache._cross[0][0].shape[2] < slots
+        assert cache.cross_width == max(length for _, length in running) if running else True
+        if not running:
+            continue
+        buffers_seen.add(cache.cache.cross_attention_cache.layers[0].keys.untyped_storage().data_ptr())
+        for layer_index, layer in enumerate(cache.cache.cross_attention_cache.layers):
+            assert layer.keys.shape == (len(running) * per_input, HEADS, cache.cross_width, DIM)
+            for i, (keys, length) in enumerate(running):
+                mine = slice(i * per_input, (i + 1) * per_input)
+                expected = keys[layer_index]
+                got_k, got_v = layer.keys[mine], layer.values[mine]
+                assert torch.equal(got_k[:, :, :length], expected[:, :, :length])
+                assert torch.equal(got_v[:, :, :length], -expected[:, :, :length])
+                for slot in range(length, cache.cross_width):  # padding: its own encoder call's, or zeros
+                    own = expected[:, :, slot] if slot < expected.shape[2] else torch.zeros_like(got_k[:, :, 0])
+                    for got, sign in ((got_k, 1), (got_v, -1)):
+                        value = got[:, :, slot]
+                        assert torch.equal(value, sign * own) or torch.count_nonzero(value) == 0, (i, slot)
+    assert moved and shrunk, (moved, shrunk)
+    assert len(buffers_seen) < joins / 2, (len(buffers_seen), joins)  # most joins write into the buffers in place

@@ -13,9 +13,10 @@ entries in the same order and then add exact zeros (``exp(-inf)``). Right alignm
 real entry by the padding width (and the single-input run has no padding at all), which changes the
 order of the vectorised reductions and with it the last bits of the scores (measured in the tests).
 
-The cross-attention cache holds each input's projected encoder K/V, right-padded to the widest input
-in the batch (the encoder mask hides the padding), one row per input when the beams can share it
-(fastgen's grouped attention, feature ``dedup``), else one row per hypothesis.
+The cross-attention cache holds each input's projected encoder K/V, read up to the widest running input
+(the encoder mask hides the padding), one row per input when the beams can share it (fastgen's grouped
+attention, feature ``dedup``), else one row per hypothesis; its rows live in preallocated buffers that
+joins write into and leaves move the last inputs' rows within (:class:`SlotCache`).
 """
 
 from __future__ import annotations
@@ -157,7 +158,21 @@ def _heads_view(buffer: torch.Tensor, rows: int, width: int, heads: int) -> torc
 
 
 class SlotCache:
-    """Self-attention :class:`SlotLayer` s plus per-input cross K/V, in an ``EncoderDecoderCache`` the model reads."""
+    """Self-attention :class:`SlotLayer` s plus per-input cross K/V, in an ``EncoderDecoderCache`` the model reads.
+
+    The cross K/V live in preallocated buffers per layer, ``(capacity rows, heads, slots, head_dim)``; the
+    running inputs' cross rows are the first :attr:`cross_count` rows, and the model reads the strided view
+    of them up to :attr:`cross_width` slots (the widest running input). Why: with a server's arrivals inputs
+    join and leave nearly every step, and a cross cache rebuilt on each change (a concatenation for every
+    join, a compacting copy and a narrowing copy for every leave) cost O(cache) per change; here a join
+    writes the newcomers' rows in place and a leave moves the last running inputs' rows into the holes
+    (:meth:`move_cross`), O(newcomers) and O(leavers). The attention reads each (row, head) block's slots
+    with the same layout as before (slots ``head_dim`` apart), so its arithmetic, and the bits, are unchanged.
+
+    Invariant: every slot of a running cross row past what its input's encoder call wrote is zero (written
+    so on join, moved whole on leave, zero where the slots grow), so a masked slot never holds a retired
+    input's values.
+    """
 
     def __init__(self, num_layers: int) -> None:
         self.self_layers = [SlotLayer() for _ in range(num_layers)]
@@ -167,59 +182,97 @@ class SlotCache:
         cross.layers = [DynamicLayer() for _ in range(num_layers)]
         self.cache = EncoderDecoderCache(self_cache, cross)
         self.cross_width = 0
+        self.cross_count = 0  # running cross rows: the first ``cross_count`` rows of the buffers
+        self._cross: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (keys, values) buffers
 
     def set_positions(self, positions: torch.Tensor, width: int) -> None:
         for layer in self.self_layers:
             layer.positions, layer.width = positions, width
 
-    def select(self, hyp_rows: torch.Tensor, cross_rows: torch.Tensor) -> None:
-        """Keep (and reorder) hypothesis rows of the self-attention cache and rows of the cross cache."""
-        for layer in self.self_layers:
-            layer.select_rows(hyp_rows)
-        for layer in self.cache.cross_attention_cache.layers:
-            if layer.is_initialized:
-                layer.keys, layer.values = (
-                    layer.keys.index_select(0, cross_rows),
-                    layer.values.index_select(0, cross_rows),
-                )
-
     def reorder(self, hyp_rows: torch.Tensor) -> None:
-        """Beam reorder: only the self-attention rows move (the cross rows are the same for an input's beams)."""
+        """Beam reorder, or retirements folded into it: only the self-attention rows move (``hyp_rows`` index
+        the running hypothesis rows; the cross rows are the same for an input's beams and move in
+        :meth:`move_cross`)."""
         for layer in self.self_layers:
             layer.select_rows(hyp_rows)
 
     def add(self, new_hyp_rows: int, cross_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Append newcomers: empty self-attention rows and their cross K/V (one entry per layer, ``(R, H, S, D)``)."""
+        """Append newcomers: empty self-attention rows and their cross K/V (one entry per layer, ``(R, H, S, D)``,
+        views taken as they are), written in place after the running cross rows."""
         for layer in self.self_layers:
             layer.append_rows(new_hyp_rows)
-        width = max(self.cross_width, cross_kv[0][0].shape[-2])
-        for index, (layer, (keys, values)) in enumerate(
-            zip(self.cache.cross_attention_cache.layers, cross_kv, strict=True)
-        ):
-            keys, values = _pad_slots(keys, width), _pad_slots(values, width)
-            if layer.is_initialized:
-                keys = torch.cat([_pad_slots(layer.keys, width), keys], 0)
-                values = torch.cat([_pad_slots(layer.values, width), values], 0)
-            else:
-                layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-            self.cache.is_updated[index] = True
-        self.cross_width = width
+        count, width = cross_kv[0][0].shape[0], cross_kv[0][0].shape[-2]
+        start, stop = self.cross_count, self.cross_count + count
+        self._reserve(cross_kv, stop, width)
+        for (key_buffer, value_buffer), (keys, values) in zip(self._cross, cross_kv, strict=True):
+            for buffer, states in ((key_buffer, keys), (value_buffer, values)):
+                buffer[start:stop, :, :width] = states
+                buffer[start:stop, :, width:] = 0
+        self.cross_count = stop
+        self.cross_width = max(self.cross_width, width)
+        self._expose()
+
+    def move_cross(self, holes: list[int], movers: list[int], count: int) -> None:
+        """Keep the first ``count`` cross rows, rows ``movers`` (past ``count``) moved into rows ``holes`` (before
+        it) in that order: one copy of the moved rows, whole (their zero slots included)."""
+        if holes:
+            device = self._cross[0][0].device
+            to, source = (torch.tensor(rows, dtype=torch.long, device=device) for rows in (holes, movers))
+            for buffers in self._cross:
+                for buffer in buffers:
+                    buffer.index_copy_(0, to, buffer.index_select(0, source))
+        self.cross_count = count
+        if self._cross:
+            self._expose()
 
     def narrow_cross(self, width: int) -> None:
-        """Drop cross K/V slots past ``width`` (after the widest input left: less attention work per step)."""
+        """Read only the first ``width`` cross slots (after the widest input left: less attention work per step);
+        the buffers shrink only when their slots are over twice what is read (a long input has left)."""
         if width >= self.cross_width:
             return
-        for layer in self.cache.cross_attention_cache.layers:
-            if layer.is_initialized:
-                layer.keys = layer.keys[:, :, :width].contiguous()
-                layer.values = layer.values[:, :, :width].contiguous()
         self.cross_width = width
+        if not self._cross:
+            return
+        slots = self._cross[0][0].shape[2]
+        if slots > 2 * _round_up(max(width, 1)):
+            keep = _round_up(max(width, 1))
+            self._cross = [tuple(buffer[:, :, :keep].clone() for buffer in buffers) for buffers in self._cross]
+        self._expose()
+
+    def _reserve(self, cross_kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, width: int) -> None:
+        """Buffers of at least ``rows`` rows and ``width`` slots (grown by doubling rows and whole chunks of
+        slots; the running rows kept, new slots zero)."""
+        if self._cross:
+            capacity, slots = self._cross[0][0].shape[0], self._cross[0][0].shape[2]
+            if rows <= capacity and width <= slots:
+                return
+        else:
+            capacity, slots = 0, 0
+        shape_rows = max(rows, 2 * capacity)
+        shape_slots = max(slots, _round_up(width))
+        grown = []
+        for index, (keys, values) in enumerate(cross_kv):
+            old = self._cross[index] if self._cross else None
+            pair = []
+            for which, states in enumerate((keys, values)):
+                buffer = states.new_zeros((shape_rows, states.shape[1], shape_slots, states.shape[3]))
+                if old is not None:
+                    buffer[: self.cross_count, :, : old[which].shape[2]] = old[which][: self.cross_count]
+                pair.append(buffer)
+            grown.append(tuple(pair))
+        self._cross = grown
+
+    def _expose(self) -> None:
+        """Point the cross layers the model reads at the running rows' first :attr:`cross_width` slots."""
+        count, width = self.cross_count, self.cross_width
+        for index, (layer, (keys, values)) in enumerate(
+            zip(self.cache.cross_attention_cache.layers, self._cross, strict=True)
+        ):
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys[:count, :, :width], values[:count, :, :width]
+            self.cache.is_updated[index] = True
 
 
-def _pad_slots(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad dim 2 (slots) with zeros to ``width``."""
-    missing = width - tensor.shape[-2]
-    if missing <= 0:
-        return tensor
-    return torch.cat([tensor, tensor.new_zeros((*tensor.shape[:2], missing, tensor.shape[-1]))], 2)
+def _round_up(width: int) -> int:
+    return -(-width // SLOT_CHUNK) * SLOT_CHUNK

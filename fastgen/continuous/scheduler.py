@@ -249,13 +249,13 @@ class _Encoded:
             self.cross = model_calls.project_cross(model, states, cross_rows)
 
     def take(self, count: int) -> _Encoded:
-        """The next ``count`` (or fewer) encoded inputs, their cross K/V cut to the widest of them."""
+        """The next ``count`` (or fewer) encoded inputs, their cross K/V cut to the widest of them (views)."""
         taken = _Encoded()
         stop = min(self.start + count, len(self.indices))
         taken.indices, taken.lengths = self.indices[self.start : stop], self.lengths[self.start : stop]
         taken.seeds = None if self.seeds is None else self.seeds[self.start : stop]
         rows, width = slice(self.start * self.rows, stop * self.rows), max(taken.lengths)
-        taken.cross = [(k[rows, :, :width].contiguous(), v[rows, :, :width].contiguous()) for k, v in self.cross]
+        taken.cross = [(k[rows, :, :width], v[rows, :, :width]) for k, v in self.cross]  # views: copied on join
         self.start = stop
         return taken
 
@@ -315,15 +315,40 @@ def _retire(
     cross_rows: int,
     order: torch.Tensor | None = None,
 ) -> None:
-    """Drop the finished inputs' rows everywhere (after this step's beam ``order``, in the same copy);
-    narrow the cross K/V to the widest input left."""
+    """Drop the inputs not in ``keep`` (ascending running positions) everywhere; narrow the cross K/V to the
+    widest input left.
+
+    The running inputs that stay after the first ``len(keep)`` positions move into the holes the leavers left
+    there, in order (the others keep their positions), so the cross K/V move only for those inputs
+    (:meth:`SlotCache.move_cross`); the search state and the self-attention rows follow the same order, the
+    latter in the copy that applies this step's beam ``order``."""
+    count = len(keep)
+    new_order, holes, movers = compaction(keep)
     device = state.device
-    inputs = torch.tensor(keep, dtype=torch.long, device=device)
+    inputs = torch.tensor(new_order, dtype=torch.long, device=device)
     hyp_rows = (inputs[:, None] * beams + torch.arange(beams, device=device)).reshape(-1)
     if order is not None:
         hyp_rows = order.index_select(0, hyp_rows)
-    cross = (inputs[:, None] * cross_rows + torch.arange(cross_rows, device=device)).reshape(-1)
-    state.remove(keep)
-    cache.select(hyp_rows, cross)
-    encoder_lengths[:] = [encoder_lengths[i] for i in keep]
+    state.remove(new_order)
+    cache.reorder(hyp_rows)
+    cache.move_cross(_rows(holes, cross_rows), _rows(movers, cross_rows), count * cross_rows)
+    encoder_lengths[:] = [encoder_lengths[i] for i in new_order]
     cache.narrow_cross(max(encoder_lengths, default=0))
+
+
+def compaction(keep: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """The running positions after a retirement that keeps positions ``keep`` (ascending): the new order (old
+    positions), the positions before ``len(keep)`` that left (holes) and the kept ones past it (movers, one
+    per hole, in order)."""
+    count, kept = len(keep), set(keep)
+    holes = [position for position in range(count) if position not in kept]
+    movers = keep[count - len(holes) :]  # the survivors at positions >= count, ascending
+    order = list(range(count))
+    for hole, mover in zip(holes, movers, strict=True):
+        order[hole] = mover
+    return order, holes, movers
+
+
+def _rows(inputs: list[int], per_input: int) -> list[int]:
+    """The cross rows of running inputs ``inputs`` (``per_input`` rows each)."""
+    return [index * per_input + row for index in inputs for row in range(per_input)]

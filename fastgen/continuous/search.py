@@ -217,7 +217,7 @@ class SearchState:
             self.seqs = torch.nn.functional.pad(self.seqs, (0, missing), value=fill)
 
     def remove(self, keep: list[int]) -> None:
-        """Keep only the running inputs at positions ``keep`` (ascending)."""
+        """Keep only the running inputs at positions ``keep``, in that order."""
         inputs = torch.tensor(keep, dtype=torch.long, device=self.device)
         rows = (inputs[:, None] * self.beams + torch.arange(self.beams, device=self.device)).reshape(-1)
         self.tokens = self.tokens.index_select(0, rows)
