@@ -44,6 +44,12 @@
 
 namespace {
 
+constexpr int64_t kLineFloats = 16;  // floats per 64-byte cache line
+// Row-lane tiles fetch the next column group's weight rows ahead when K is below this: measured on an Intel
+// Xeon (Emerald Rapids, one core, 16 rows, weights from DRAM) 10-18% faster at K = 512 and 768, and no
+// faster at K = 1,024 and 3,072, where the hardware prefetcher follows the longer runs by itself.
+constexpr int64_t kPrefetchBelowK = 1024;
+
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 constexpr int kTileCols[4] = {12, 12, 8, 6};  // R * cols sums + R inputs + 1 broadcast <= 32 zmm
@@ -90,13 +96,18 @@ enum BiasAt : int64_t { kBiasFirst = 0, kBiasLast = 1 };
 // the loop is bound by the FMA units, not the loads.
 template <int R, int kC>
 void tile(const float* xt, const float* w, int64_t K, int64_t n0, const float* bias, int64_t block,
-          bool bias_last, float* out) {
+          bool bias_last, const float* next, int64_t next_cols, float* out) {
   V s[R][kC];
   for (int64_t k0 = 0; k0 < K; k0 += block) {
     const int64_t k1 = std::min(K, k0 + block);
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < kC; ++j) s[r][j] = vzero();
     for (int64_t k = k0; k < k1; ++k) {
+      if (next != nullptr && (k & (kLineFloats - 1)) == 0) {
+        // the next group's columns, a line each as this group's reach it: a column's k run is only K floats
+        // long (3 KB at K = 768), too short for the hardware prefetcher to ramp up on its own
+        for (int64_t j = 0; j < next_cols; ++j) __builtin_prefetch(next + j * K + k, 0, 2);
+      }
       V xv[R];
       for (int r = 0; r < R; ++r) xv[r] = vload(xt + (k * R + r) * kLanes);
       for (int j = 0; j < kC; ++j) {
@@ -124,7 +135,8 @@ void tile(const float* xt, const float* w, int64_t K, int64_t n0, const float* b
   }
 }
 
-using TileFn = void (*)(const float*, const float*, int64_t, int64_t, const float*, int64_t, bool, float*);
+using TileFn = void (*)(const float*, const float*, int64_t, int64_t, const float*, int64_t, bool, const float*,
+                        int64_t, float*);
 
 template <int R, int... kC>
 constexpr TileFn pick_tile(int cols, std::integer_sequence<int, kC...>) {
@@ -346,7 +358,11 @@ at::Tensor ordered_linear(const at::Tensor& x, const at::Tensor& w, const std::o
       const int64_t g = i / tiles, t = i % tiles;
       const int64_t n0 = g * kC;
       const int cols = static_cast<int>(std::min<int64_t>(kC, N - n0));
-      tile_fn(R, cols)(xtp + t * K * kTile, wp + n0 * K, K, n0, b, block, last, out);
+      // the last row tile of a group fetches the next group's weight rows ahead where they are short
+      const bool fetch = K < kPrefetchBelowK && t == tiles - 1 && n0 + kC < N;
+      const int64_t next_cols = fetch ? std::min<int64_t>(kC, N - n0 - kC) : 0;
+      tile_fn(R, cols)(xtp + t * K * kTile, wp + n0 * K, K, n0, b, block, last, fetch ? wp + (n0 + kC) * K : nullptr,
+                       next_cols, out);
       const int64_t rows = std::min<int64_t>(kTile, M - t * kTile);
       for (int64_t r = 0; r < rows; ++r) {
         float* dst = yp + (t * kTile + r) * N + n0;
