@@ -53,7 +53,7 @@ import torch
 from fastgen.ops import cpu_kernels
 from fastgen.ops._dispatch import BACKENDS, TritonKernels, choose_backend, device_problem, without_cuda_device
 
-__all__ = ["BACKENDS", "BeamTopK", "available_backends", "beam_topk", "log_probs_top_k"]
+__all__ = ["BACKENDS", "BeamTopK", "approximate_top_k", "available_backends", "beam_topk", "log_probs_top_k"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: most candidates a kernel keeps per chunk (each is one reduction round over the chunk)
@@ -103,6 +103,27 @@ def log_probs_top_k(log_probs: torch.Tensor, beam_scores: torch.Tensor, k: int) 
     grouped.add_(beam_scores.unsqueeze(-1))  # elementwise, so bit-identical to HF's out-of-place add
     values, flat = top_k(grouped.view(batch, beams * vocab), k)
     return BeamTopK(values, torch.div(flat, vocab, rounding_mode="floor"), flat % vocab)
+
+
+def approximate_top_k(logits: torch.Tensor, beam_scores: torch.Tensor, k: int) -> BeamTopK | None:
+    """The step's k best continuations per input straight from the N×V float32 logits (no bans), for the
+    approximate modes: fastgen's CPU kernel finds each row's best k logits and its log-sum-exp, and only those
+    candidates get log-probs and scores (``csrc/cpu/beam_log_softmax.cpp``; ties by the smaller flat index).
+    Values differ from upstream's by float rounding (the normaliser's exp and summation order). None where the
+    kernel cannot serve (not loaded, not a CPU float32 call, a NaN or a row without a finite logit)."""
+    if (
+        logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or beam_scores.dtype != torch.float32
+        or logits.dim() != 2
+        or logits.shape[0] != beam_scores.numel()
+        or not 1 <= k <= logits.numel()
+        or not cpu_kernels.loaded()
+        or not hasattr(torch.ops.fastgen_cpu, "log_softmax_top_k")
+    ):
+        return None
+    values, beams, tokens, ok = torch.ops.fastgen_cpu.log_softmax_top_k(logits.contiguous(), beam_scores, k)
+    return BeamTopK(values, beams, tokens) if bool(ok) else None
 
 
 #: the largest k the top-k kernel serves (beam search asks for 2 x num_beams)

@@ -138,13 +138,15 @@ def _keep_freed_memory_once() -> None:
         _heap_tuned.append(heap.keep_freed_memory())
 
 
+def approximate_linear(module: torch.nn.Module) -> bool:
+    """Whether this thread runs ``module`` (a linear) in ``fast_gemm`` or ``int8`` right now."""
+    return installed(module) in (FAST_GEMM.feature, INT8.feature) and _entered_here(module)
+
+
 def approximate_here(module: torch.nn.Module) -> bool:
     """Whether this thread runs one of ``module``'s own linears in ``fast_gemm`` or ``int8`` right now: the
     user asked for approximate arithmetic there, so the attention around them may be approximate too."""
-    for child in module.children():
-        if installed(child) in (FAST_GEMM.feature, INT8.feature) and _entered_here(child):
-            return True
-    return False
+    return any(approximate_linear(child) for child in module.children())
 
 
 def _candidates(model: torch.nn.Module, mode: LinearMode) -> tuple[list[torch.nn.Module], bool]:

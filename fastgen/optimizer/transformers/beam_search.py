@@ -75,7 +75,7 @@ from transformers.generation.utils import (
 from fastgen.models._caches import hypothesis_rows
 from fastgen.models.growing_cache import GrowingLayer
 from fastgen.ops import cpu_kernels
-from fastgen.ops.beam_topk import log_probs_top_k
+from fastgen.ops.beam_topk import approximate_top_k, log_probs_top_k
 from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
 from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback, feature_enabled
@@ -167,6 +167,22 @@ def _prepare_processors(processors: Any, vocab: int, device: torch.device) -> li
     return prepared
 
 
+def _writes(processor: Any, length: int) -> bool:
+    """Whether ``processor`` changes the log-probs of a step at this sequence length (upstream's condition)."""
+    kind = type(processor)
+    if kind is MinLengthLogitsProcessor:
+        return length < processor.min_length
+    if kind is MinNewTokensLengthLogitsProcessor:
+        return length - processor.prompt_length_to_skip < processor.min_new_tokens
+    if kind is ForcedBOSTokenLogitsProcessor:
+        return length == 1
+    if kind is ForcedEOSTokenLogitsProcessor:
+        return length == processor.max_length - 1
+    if kind is SuppressTokensAtBeginLogitsProcessor:
+        return length == processor.begin_index
+    return True  # n-gram bans, suppressed tokens, single-token bad words: every step
+
+
 def _apply_processors(
     processors: list[tuple[Any, torch.Tensor | None]],
     sequences: torch.Tensor,
@@ -177,33 +193,23 @@ def _apply_processors(
     buffer, with no host sync.
 
     Each one writes what upstream's returns (``-inf`` bans; a forced step: ``-inf`` everywhere and 0
-    at the forced ids), under upstream's condition on the current length.
+    at the forced ids), under upstream's condition on the current length (:func:`_writes`).
     """
     length = sequences.shape[-1]
     neg_inf = float("-inf")
     for processor, ids in processors:
+        if not _writes(processor, length):
+            continue
         kind = type(processor)
         if kind is NoRepeatNGramLogitsProcessor:
             ban_repeated_ngrams(sequences, log_probs, processor.ngram_size)
-        elif kind is MinLengthLogitsProcessor:
-            if length < processor.min_length:
-                log_probs.index_fill_(1, ids, neg_inf)
-        elif kind is MinNewTokensLengthLogitsProcessor:
-            if length - processor.prompt_length_to_skip < processor.min_new_tokens:
-                log_probs.index_fill_(1, ids, neg_inf)
-        elif kind is ForcedBOSTokenLogitsProcessor:
-            if length == 1:
-                log_probs.fill_(neg_inf)
-                log_probs[:, processor.bos_token_id] = 0
-        elif kind is ForcedEOSTokenLogitsProcessor:
-            if length == processor.max_length - 1:
-                log_probs.fill_(neg_inf)
-                log_probs[:, processor.eos_token_id] = 0
-        elif kind in (SuppressTokensLogitsProcessor, NoBadWordsLogitsProcessor):
-            log_probs.index_fill_(1, ids, neg_inf)
+        elif kind in (ForcedBOSTokenLogitsProcessor, ForcedEOSTokenLogitsProcessor):
+            forced = processor.bos_token_id if kind is ForcedBOSTokenLogitsProcessor else processor.eos_token_id
+            log_probs.fill_(neg_inf)
+            log_probs[:, forced] = 0
         elif kind is EncoderNoRepeatNGramLogitsProcessor:  # the prompts of the inputs still in the batch
             ban_encoder_ngrams(ids.index_select(0, active), sequences, log_probs, processor.ngram_size)
-        elif kind is SuppressTokensAtBeginLogitsProcessor and length == processor.begin_index:
+        else:  # min length, min new tokens, suppressed tokens (at the beginning too), bad words: bans
             log_probs.index_fill_(1, ids, neg_inf)
 
 
@@ -352,6 +358,17 @@ def _native_update(stopping_criteria: Any, device: torch.device) -> tuple[torch.
     return (torch.cat(eos) if eos else None), min(limits, default=2**62)
 
 
+def _approximate_scores(model: Any, all_scores: Any) -> bool:
+    """Whether this call's beam steps may take their candidates straight from the logits
+    (:func:`fastgen.ops.beam_topk.approximate_top_k`; each step where no processor writes into the
+    log-probs): the LM head runs in ``fast_gemm`` or ``int8`` on this thread (the user asked for approximate
+    arithmetic; its logits are not upstream's bits anyway) and the caller asked for no per-step scores."""
+    from fastgen.optimizer import linear_modes  # imports this package's registry at its import
+
+    head = model.get_output_embeddings()
+    return all_scores is None and head is not None and linear_modes.approximate_linear(head)
+
+
 class _StepOutputs(dict):
     """What the loop reads of a forward's outputs (``.logits``, and the cache for the model kwargs)."""
 
@@ -479,6 +496,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
 
     flat_running_sequences = input_ids
     processors = None  # prepared at the first step, when V is known
+    fused = False  # the approximate modes' fused log-softmax and top-k (decided with the processors)
     native = _native_update(stopping_criteria, input_ids.device)
     stopping = {True: 1, False: 0, "never": 2}.get(early_stopping)
     if stopping is None:
@@ -514,14 +532,21 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         # b–c. one buffer: log_softmax (float32, as upstream), bans in place, + scores, top-k over M·V
         logits = model_outputs.logits[:, -1, :].to(dtype=torch.float32, device=input_ids.device)
         del model_outputs
-        log_probs = torch.log_softmax(logits, dim=-1)
-        del logits
         if processors is None:
-            processors = _prepare_processors(logits_processor, log_probs.shape[-1], log_probs.device)
-        _apply_processors(processors, flat_running_sequences, log_probs, active)
-        if all_scores is not None:
-            all_scores += (log_probs.clone(),)
-        step = log_probs_top_k(log_probs, running_beam_scores, beams_to_keep)
+            processors = _prepare_processors(logits_processor, logits.shape[-1], logits.device)
+            fused = _approximate_scores(self, all_scores)
+        step = None
+        if fused and not any(_writes(processor, flat_running_sequences.shape[-1]) for processor, _ in processors):
+            step = approximate_top_k(logits, running_beam_scores, beams_to_keep)
+            if step is not None:
+                report.note_ran(FEATURE, "beam scores: log-softmax and top-k fused (approximate mode, C++)")
+        if step is None:
+            log_probs = torch.log_softmax(logits, dim=-1)
+            del logits
+            _apply_processors(processors, flat_running_sequences, log_probs, active)
+            if all_scores is not None:
+                all_scores += (log_probs.clone(),)
+            step = log_probs_top_k(log_probs, running_beam_scores, beams_to_keep)
         if native is not None:  # steps c-f in one call, in place; upstream's bits (csrc/cpu/beam_update.cpp)
             eos_ids, limit = native
             beam_idx, next_token_hits_stopping_criteria = torch.ops.fastgen_cpu.beam_update_(
