@@ -350,7 +350,10 @@ class LeanDecodeStep:
         cache: EncoderDecoderCache = model_inputs.get("cache", model_inputs.get("past_key_values"))
         cache_length = cache.get_seq_length()
         if self._masks_stale(ids.shape[0], model_inputs.get("attention_mask")):
-            embeds, _ = self._embed(ids, cache_length)  # the masks read its shape, dtype and device
+            # the masks read only the embeddings' shape, dtype and device (upstream's prepare_inputs passes such
+            # a stand-in too): no embedding lookup each time inputs leave the batch
+            weight = self.decoder.embed_tokens.weight
+            embeds = torch.empty((ids.shape[0], ids.shape[1], 0), dtype=weight.dtype, device=weight.device)
             if self._masks(embeds, cache, model_inputs) is not None:
                 return None
         decoder = self.decoder
