@@ -88,7 +88,7 @@ def test_cross_slots_match_a_per_input_reference():
     layers, per_input = 2, 2  # cross rows per input (beams that do not share their K/V)
     cache = SlotCache(layers)
     running: list[tuple[list[torch.Tensor], int]] = []  # per input: its K per layer (V = -K), its length
-    buffers_seen, joins, moved, shrunk = set(), 0, 0, False
+    buffers_seen, joins, moved, shrunk, peak = set(), 0, 0, False, 0
     for _ in range(80):
         action = rng.choice(["join", "join", "leave"])
         if action == "join" or not running:
@@ -114,6 +114,8 @@ def test_cross_slots_match_a_per_input_reference():
             cache.narrow_cross(max((length for _, length in running), default=0))
             shrunk |= cache._cross[0][0].shape[2] < slots
         assert cache.cross_width == max(length for _, length in running) if running else True
+        peak = max(peak, len(running) * per_input)
+        assert cache._cross[0][0].shape[0] <= 2 * peak  # rows grow by doubling, and only when they must
         if not running:
             continue
         buffers_seen.add(cache.cache.cross_attention_cache.layers[0].keys.untyped_storage().data_ptr())

@@ -227,14 +227,15 @@ class SlotCache:
 
     def narrow_cross(self, width: int) -> None:
         """Read only the first ``width`` cross slots (after the widest input left: less attention work per step);
-        the buffers shrink only when their slots are over twice what is read (a long input has left)."""
+        the buffers shrink only when their slots are over twice what the running inputs read (a long input has
+        left them), not when every input left (the next ones are likely as wide)."""
         if width >= self.cross_width:
             return
         self.cross_width = width
         if not self._cross:
             return
         slots = self._cross[0][0].shape[2]
-        if slots > 2 * _round_up(max(width, 1)):
+        if self.cross_count and slots > 2 * _round_up(max(width, 1)):
             keep = _round_up(max(width, 1))
             self._cross = [tuple(buffer[:, :, :keep].clone() for buffer in buffers) for buffers in self._cross]
         self._expose()
@@ -248,7 +249,7 @@ class SlotCache:
                 return
         else:
             capacity, slots = 0, 0
-        shape_rows = max(rows, 2 * capacity)
+        shape_rows = capacity if rows <= capacity else max(rows, 2 * capacity)
         shape_slots = max(slots, _round_up(width))
         grown = []
         for index, (keys, values) in enumerate(cross_kv):
