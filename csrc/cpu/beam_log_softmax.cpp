@@ -33,13 +33,10 @@
 
 namespace {
 
-using fastgen_cpu::kLanes;
-using fastgen_cpu::load;
+using fastgen_cpu::block_max;
 using fastgen_cpu::vexp;
-using fastgen_cpu::vfloat;
-using fastgen_cpu::vint;
 
-constexpr int64_t kBlock = 16 * kLanes;  // logits per block: one vector max and NaN check, then maybe a scan
+constexpr int64_t kBlock = fastgen_cpu::kBlockScan;  // logits per block: a vector max and NaN check, maybe a scan
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // the best `size` logits of a row, descending, ties keeping the lower index first
@@ -70,21 +67,7 @@ bool scan_row(const float* row, int64_t V, RowBest& best, float& log_sum) {
   bool nan = false;
   int64_t i = 0;
   for (; i + kBlock <= V; i += kBlock) {
-    vfloat peak = load(row + i);
-    vint odd = peak != peak;
-    for (int64_t j = kLanes; j < kBlock; j += kLanes) {
-      const vfloat x = load(row + i + j);
-      peak = x > peak ? x : peak;
-      odd |= x != x;
-    }
-    float block_max = peak[0];
-    int32_t any_nan = odd[0];
-    for (int j = 1; j < kLanes; ++j) {
-      block_max = std::max(block_max, peak[j]);
-      any_nan |= odd[j];
-    }
-    nan = nan || any_nan != 0;
-    if (best.filled < best.size || block_max > best.worst()) {  // rare once the best are found
+    if (block_max(row + i, nan) > best.worst() || best.filled < best.size) {  // rare once the best are found
       for (int64_t j = 0; j < kBlock; ++j) best.offer(row[i + j], i + j);
     }
   }

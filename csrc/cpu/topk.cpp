@@ -28,12 +28,9 @@
 
 namespace {
 
-using fastgen_cpu::kLanes;
-using fastgen_cpu::load;
-using fastgen_cpu::vfloat;
-using fastgen_cpu::vint;
+using fastgen_cpu::block_max;
 
-constexpr int64_t kBlock = 16 * kLanes;  // scores per block: one vector max and NaN check, then maybe a scan
+constexpr int64_t kBlock = fastgen_cpu::kBlockScan;  // scores per block: a vector max and NaN check, maybe a scan
 
 // the best `size` values seen, descending, with their indices; `worst()` is the admission threshold
 struct Best {
@@ -89,21 +86,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_distinct(const at::Tensor& x
       bool nan = false;
       int64_t i = 0;
       for (; i + kBlock <= N; i += kBlock) {
-        vfloat peak = load(row + i);
-        vint odd = peak != peak;
-        for (int64_t j = kLanes; j < kBlock; j += kLanes) {
-          const vfloat x = load(row + i + j);
-          peak = x > peak ? x : peak;
-          odd |= x != x;
-        }
-        float block_max = peak[0];
-        int32_t any_nan = odd[0];
-        for (int j = 1; j < kLanes; ++j) {
-          block_max = std::max(block_max, peak[j]);
-          any_nan |= odd[j];
-        }
-        nan = nan || any_nan != 0;
-        if (block_max > best.worst() || best.filled <= k) {  // rare once the best are found
+        if (block_max(row + i, nan) > best.worst() || best.filled <= k) {  // rare once the best are found
           for (int64_t j = 0; j < kBlock; ++j) best.offer(row[i + j], i + j);
         }
       }

@@ -21,6 +21,27 @@ typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t)), align
 inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat*>(p); }
 inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat*>(p) = v; }
 
+// The largest of the kBlockScan floats at p (NaN ignored) and whether any is NaN: a top-k scan's test of a
+// whole block against its current threshold (the block is scanned element by element only when it passes)
+constexpr int64_t kBlockScan = 16 * kLanes;
+inline float block_max(const float* p, bool& nan) {
+  vfloat peak = load(p);
+  vint odd = peak != peak;
+  for (int64_t j = kLanes; j < kBlockScan; j += kLanes) {
+    const vfloat x = load(p + j);
+    peak = x > peak ? x : peak;
+    odd |= x != x;
+  }
+  float best = peak[0];
+  int32_t any_nan = odd[0];
+  for (int j = 1; j < kLanes; ++j) {
+    best = std::max(best, peak[j]);
+    any_nan |= odd[j];
+  }
+  nan = nan || any_nan != 0;
+  return best;
+}
+
 // exp with ~1 ulp error (Cody-Waite reduction, Cephes' polynomial), written so the compiler vectorizes
 // it in a loop (libm's expf is a call per element); below -87.3 (and -inf) it gives 0.
 inline float vexp(float x) {
