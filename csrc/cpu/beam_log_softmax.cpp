@@ -29,41 +29,18 @@
 #include <tuple>
 #include <vector>
 
+#include "best_k.h"
 #include "vec.h"
 
 namespace {
 
+using fastgen_cpu::BestK;
 using fastgen_cpu::block_max;
 using fastgen_cpu::vexp;
 
 constexpr int64_t kBlock = fastgen_cpu::kBlockScan;  // logits per block: a vector max and NaN check, maybe a scan
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// the best `size` logits of a row, descending, ties keeping the lower index first
-struct RowBest {
-  float* values;
-  int64_t* indices;
-  int64_t size;
-  int64_t filled = 0;
-
-  float worst() const { return filled < size ? kNegInf : values[size - 1]; }
-
-  void offer(float value, int64_t index) {
-    if (filled == size && !(value > values[size - 1])) return;
-    int64_t at = std::min(filled, size - 1);
-    while (at > 0 && values[at - 1] < value) {
-      values[at] = values[at - 1];
-      indices[at] = indices[at - 1];
-      --at;
-    }
-    values[at] = value;
-    indices[at] = index;
-    filled = std::min(filled + 1, size);
-  }
-};
-
 // the row's best k logits (values, indices) and log(sum exp(x - max)); false on a NaN or no finite maximum
-bool scan_row(const float* row, int64_t V, RowBest& best, float& log_sum) {
+bool scan_row(const float* row, int64_t V, BestK& best, float& log_sum) {
   bool nan = false;
   int64_t i = 0;
   for (; i + kBlock <= V; i += kBlock) {
@@ -103,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_softmax_top_k(con
   const float* data = logits.data_ptr<float>();
   at::parallel_for(0, B * M, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      RowBest best{cand_values.data() + r * per_row, cand_tokens.data() + r * per_row, per_row};
+      BestK best{cand_values.data() + r * per_row, cand_tokens.data() + r * per_row, per_row};
       if (!scan_row(data + r * V, V, best, log_sums[r]) || best.filled < per_row) ok = false;
     }
   });
@@ -118,7 +95,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> log_softmax_top_k(con
   std::vector<float> merged_values(k);
   std::vector<int64_t> merged_flat(k);
   for (int64_t b = 0; b < B; ++b) {
-    RowBest best{merged_values.data(), merged_flat.data(), k};
+    BestK best{merged_values.data(), merged_flat.data(), k};
     for (int64_t m = 0; m < M; ++m) {  // beams in order, each row's candidates descending: ties keep the lower
       const int64_t r = b * M + m;
       const float peak = cand_values[r * per_row];  // the row's maximum: its best logit

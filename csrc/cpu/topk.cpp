@@ -24,43 +24,18 @@
 #include <tuple>
 #include <vector>
 
+#include "best_k.h"
 #include "vec.h"
 
 namespace {
 
+using fastgen_cpu::BestK;
 using fastgen_cpu::block_max;
 
 constexpr int64_t kBlock = fastgen_cpu::kBlockScan;  // scores per block: a vector max and NaN check, maybe a scan
 
-// the best `size` values seen, descending, with their indices; `worst()` is the admission threshold
-struct Best {
-  std::vector<float> values;
-  std::vector<int64_t> indices;
-  int64_t filled = 0;
-
-  explicit Best(int64_t size)
-      : values(static_cast<size_t>(size), -std::numeric_limits<float>::infinity()),
-        indices(static_cast<size_t>(size), -1) {}
-
-  float worst() const { return values.back(); }
-
-  void offer(float value, int64_t index) {
-    const int64_t size = static_cast<int64_t>(values.size());
-    if (filled == size && !(value > values.back())) return;
-    int64_t at = std::min(filled, size - 1);
-    while (at > 0 && values[at - 1] < value) {  // equal values keep the earlier one first
-      values[at] = values[at - 1];
-      indices[at] = indices[at - 1];
-      --at;
-    }
-    values[at] = value;
-    indices[at] = index;
-    filled = std::min(filled + 1, size);
-  }
-};
-
-bool strictly_decreasing(const Best& best) {
-  for (size_t i = 0; i < best.values.size(); ++i) {
+bool strictly_decreasing(const BestK& best) {
+  for (int64_t i = 0; i < best.size; ++i) {
     if (best.indices[i] < 0 || !std::isfinite(best.values[i])) return false;
     if (i > 0 && !(best.values[i - 1] > best.values[i])) return false;
   }
@@ -82,7 +57,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_distinct(const at::Tensor& x
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = data + r * N;
-      Best best(k + 1);
+      std::vector<float> best_values(k + 1, -std::numeric_limits<float>::infinity());
+      std::vector<int64_t> best_indices(k + 1, -1);
+      BestK best{best_values.data(), best_indices.data(), k + 1};
       bool nan = false;
       int64_t i = 0;
       for (; i + kBlock <= N; i += kBlock) {
