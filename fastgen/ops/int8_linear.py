@@ -44,7 +44,7 @@ NaN or an infinity there; either way the row is lost), and the other rows are un
   takes 20 / 111 / 126 us for 768 -> 768 / 3072 / 768 <- 3072 against oneDNN's 62 / 183 / 178 and the
   vocabulary projection 1.95 ms against 2.35; oneDNN keeps the encoder's 1024-row 3072-wide products (AMX
   op 0.7-1.0x). VNNI alone loses on larger products (0.5-0.8x oneDNN). So ``auto`` times the candidates on a
-  weight's first product and keeps the fastest (:attr:`Int8Weight.choice_ms`).
+  weight's first product and keeps the fastest, oneDNN only by a margin (:func:`preferred_kind`).
 * ``int_mm``: ``torch._int_mm`` (int8 x int8 -> int32; codes shifted by 128, the shift added back in int32)
   with the scaling in torch ops: the reference's arithmetic exactly, slower (measured), kept for torch
   builds without the quantized engine.
@@ -156,10 +156,24 @@ def backend() -> str:
 
 
 #: Timed rounds of each candidate when a weight's first product chooses between oneDNN and fastgen's ops.
-CHOICE_ROUNDS = 3
+CHOICE_ROUNDS = 5
+
+#: oneDNN is chosen over fastgen's own ops only where its median time is at most this fraction of theirs. Why:
+#: only the own ops run inside the C++ decode step (:mod:`fastgen.models.compiled_step`), and one decoder
+#: weight on oneDNN sends the whole step back to Python (~40% slower end to end on a small BART). With the
+#: plain fastest rule, timing noise on a near tie (the LM head at 0.71 against 0.74 ms) did so in about one
+#: process in ten (Intel Xeon, AMX, busy machine).
+ONEDNN_MARGIN = 0.9
 
 #: A product with at least this many outputs (rows x out features) goes to oneDNN under ``auto``.
 ONEDNN_MIN_OUTPUTS = 1 << 18
+
+
+def preferred_kind(choice_ms: dict[str, float]) -> str:
+    """The kind to keep from the median times of oneDNN and fastgen's own ops: the fastest own op unless oneDNN
+    beats it by :data:`ONEDNN_MARGIN`."""
+    own = min((kind for kind in choice_ms if kind != "onednn"), key=choice_ms.__getitem__)
+    return "onednn" if choice_ms["onednn"] <= ONEDNN_MARGIN * choice_ms[own] else own
 
 
 def choose_kind(rows: int, out_features: int) -> str:
@@ -358,7 +372,7 @@ class Int8Weight:
 
     def _first_product(self, x2: torch.Tensor, bias: torch.Tensor | None, activation: int) -> None:
         """Pack for ``auto``'s backend at the first product; where fastgen's own ops (VNNI, AMX) can run too, time
-        them and oneDNN on this input (alternating rounds) and keep the fastest (module docstring), then drop
+        them and oneDNN on this input (alternating rounds) and keep the fastest (:func:`preferred_kind`), then drop
         the codes. All give the same bits (same codes, sums and scaling order), so the choice moves no result."""
         kind = choose_kind(x2.shape[0], self.out_features)
         own = [k for k, ready in (("vnni", has_vnni_kernel), ("amx", has_amx_kernel)) if ready()]
@@ -383,9 +397,8 @@ class Int8Weight:
                 run()
                 times[name].append(time.perf_counter() - start)
         self.choice_ms = {name: sorted(t)[CHOICE_ROUNDS // 2] * 1e3 for name, t in times.items()}
-        best = min(self.choice_ms, key=self.choice_ms.__getitem__)
-        if best != "onednn":
-            self.kind, self.packed = best, own_packed
+        if preferred_kind(self.choice_ms) != "onednn":
+            self.kind, self.packed = preferred_kind(self.choice_ms), own_packed
         self._codes = None
 
     def _symmetric_on_own_codes(self, x2: torch.Tensor, bias: torch.Tensor | None, activation: int) -> torch.Tensor:

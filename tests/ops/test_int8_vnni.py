@@ -127,7 +127,7 @@ def test_auto_times_both_at_the_first_product_and_keeps_the_faster():
     first = chosen.matmul(x, bias)
     candidates = {"vnni", "onednn"} | ({"amx"} if int8_linear.has_amx_kernel() else set())
     assert chosen.kind in candidates and set(chosen.choice_ms) == candidates
-    assert chosen.kind == min(chosen.choice_ms, key=chosen.choice_ms.__getitem__)
+    assert chosen.kind == int8_linear.preferred_kind(chosen.choice_ms)
     assert torch.equal(first, int8_linear.Int8Weight(weight, "onednn").matmul(x, bias))
     assert torch.equal(chosen.matmul(x, bias), first)
 
@@ -148,3 +148,11 @@ def test_a_grid_switched_to_symmetric_later_is_honoured(monkeypatch):
     keep = ~reference.isnan()
     assert torch.allclose(symmetric[keep], reference[keep], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(asymmetric[keep], reference[keep], rtol=1e-5, atol=1e-5)  # the grid did change
+
+
+def test_preferred_kind_takes_onednn_only_by_the_margin():
+    margin = int8_linear.ONEDNN_MARGIN
+    assert int8_linear.preferred_kind({"onednn": 1.0, "vnni": 2.0, "amx": 1.5}) == "onednn"
+    assert int8_linear.preferred_kind({"onednn": 1.0, "vnni": 1.2, "amx": 1.04}) == "amx"  # a near tie: own op
+    assert int8_linear.preferred_kind({"onednn": margin * 2.0, "vnni": 2.0}) == "onednn"
+    assert int8_linear.preferred_kind({"onednn": 3.0, "vnni": 2.0, "amx": 2.5}) == "vnni"
