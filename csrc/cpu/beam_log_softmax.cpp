@@ -35,23 +35,11 @@
 namespace {
 
 using fastgen_cpu::BestK;
-using fastgen_cpu::block_max;
 using fastgen_cpu::vexp;
 
-constexpr int64_t kBlock = fastgen_cpu::kBlockScan;  // logits per block: a vector max and NaN check, maybe a scan
 // the row's best k logits (values, indices) and log(sum exp(x - max)); false on a NaN or no finite maximum
 bool scan_row(const float* row, int64_t V, BestK& best, float& log_sum) {
-  bool nan = false;
-  int64_t i = 0;
-  for (; i + kBlock <= V; i += kBlock) {
-    if (block_max(row + i, nan) > best.worst() || best.filled < best.size) {  // rare once the best are found
-      for (int64_t j = 0; j < kBlock; ++j) best.offer(row[i + j], i + j);
-    }
-  }
-  for (; i < V; ++i) {
-    nan = nan || row[i] != row[i];
-    best.offer(row[i], i);
-  }
+  const bool nan = fastgen_cpu::scan_best(row, V, best);
   const float peak = best.values[0];
   if (nan || best.filled == 0 || !std::isfinite(peak)) return false;
   float sum = 0.0f;

@@ -276,7 +276,7 @@ class DecoderStep : public torch::CustomClassHolder {
 
   at::Tensor logits(at::Tensor hidden) const {
     if (pre_norm_) hidden = norm(hidden, norm_final_);
-    return linear(hidden, linears_.back()).add(final_logits_bias_);
+    return linear(hidden, linears_.back()).add_(final_logits_bias_);  // in place: the same bits, no rows x vocab buffer
   }
 
   at::Tensor norm(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& wb) const {

@@ -30,9 +30,6 @@
 namespace {
 
 using fastgen_cpu::BestK;
-using fastgen_cpu::block_max;
-
-constexpr int64_t kBlock = fastgen_cpu::kBlockScan;  // scores per block: a vector max and NaN check, maybe a scan
 
 bool strictly_decreasing(const BestK& best) {
   for (int64_t i = 0; i < best.size; ++i) {
@@ -60,17 +57,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_distinct(const at::Tensor& x
       std::vector<float> best_values(k + 1, -std::numeric_limits<float>::infinity());
       std::vector<int64_t> best_indices(k + 1, -1);
       BestK best{best_values.data(), best_indices.data(), k + 1};
-      bool nan = false;
-      int64_t i = 0;
-      for (; i + kBlock <= N; i += kBlock) {
-        if (block_max(row + i, nan) > best.worst() || best.filled <= k) {  // rare once the best are found
-          for (int64_t j = 0; j < kBlock; ++j) best.offer(row[i + j], i + j);
-        }
-      }
-      for (; i < N; ++i) {
-        nan = nan || row[i] != row[i];
-        best.offer(row[i], i);
-      }
+      const bool nan = fastgen_cpu::scan_best(row, N, best);
       out_ok[r] = !nan && strictly_decreasing(best);
       for (int64_t j = 0; j < k; ++j) {
         out_values[r * k + j] = best.values[j];

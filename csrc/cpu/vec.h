@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace fastgen_cpu {
 
 #if defined(__AVX512F__)
@@ -19,28 +23,21 @@ typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float)), aligned
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
 
 inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat*>(p); }
-inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat*>(p) = v; }
 
-// The largest of the kBlockScan floats at p (NaN ignored) and whether any is NaN: a top-k scan's test of a
-// whole block against its current threshold (the block is scanned element by element only when it passes)
-constexpr int64_t kBlockScan = 16 * kLanes;
-inline float block_max(const float* p, bool& nan) {
-  vfloat peak = load(p);
-  vint odd = peak != peak;
-  for (int64_t j = kLanes; j < kBlockScan; j += kLanes) {
-    const vfloat x = load(p + j);
-    peak = x > peak ? x : peak;
-    odd |= x != x;
-  }
-  float best = peak[0];
-  int32_t any_nan = odd[0];
-  for (int j = 1; j < kLanes; ++j) {
-    best = std::max(best, peak[j]);
-    any_nan |= odd[j];
-  }
-  nan = nan || any_nan != 0;
-  return best;
+// Bit j set where x[j] > t (ordered: a NaN lane never is): a top-k scan tests each vector against its
+// threshold and offers only the lanes above it, instead of every element of a block whose maximum passed.
+inline uint32_t greater_mask(vfloat x, float t) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(reinterpret_cast<__m512>(x), _mm512_set1_ps(t), _CMP_GT_OQ);
+#elif defined(__AVX__)
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(reinterpret_cast<__m256>(x), _mm256_set1_ps(t), _CMP_GT_OQ)));
+#else
+  uint32_t mask = 0;
+  for (int j = 0; j < kLanes; ++j) mask |= static_cast<uint32_t>(x[j] > t) << j;
+  return mask;
+#endif
 }
+inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat*>(p) = v; }
 
 // exp with ~1 ulp error (Cody-Waite reduction, Cephes' polynomial), written so the compiler vectorizes
 // it in a loop (libm's expf is a call per element); below -87.3 (and -inf) it gives 0.
