@@ -41,6 +41,7 @@ SHAPES = [
     (33, 70, 31),
     (64, 100, 200),
     (130, 20, 33),
+    (40, 96, 613),  # several AMX chunks of 256 outputs, the last one ragged
 ]
 
 
@@ -87,6 +88,23 @@ def test_the_op_sums_exactly_and_scales_in_order(m, k, n, bias, op_name):
         got = _op(x, weight, b, activation, op_name)
         want, bound = _emulated(x, weight, b, activation)
         assert ((got - want).abs() <= bound).all(), (activation, ((got - want).abs() / bound).max())
+
+
+@pytest.mark.parametrize("m,k,n", [(200, 512, 1030), (70, 300, 613), (16, 72, 96)])
+def test_the_thread_count_moves_no_bit(m, k, n, op_name):
+    """Large enough that 2 and 3 threads split the outputs (each share a whole number of chunks)."""
+    generator = torch.Generator().manual_seed(m + n)
+    weight, bias = torch.randn(n, k, generator=generator), torch.randn(n, generator=generator)
+    x = torch.randn(m, k, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [_op(x, weight, bias, activation, op_name) for activation in (0, 1)]
+        for count in (2, 3):
+            torch.set_num_threads(count)
+            assert all(torch.equal(_op(x, weight, bias, a, op_name), one[a]) for a in (0, 1)), count
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_rows_with_nan_or_inf_come_out_nan_and_the_others_are_untouched(op_name):
