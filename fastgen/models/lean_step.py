@@ -128,6 +128,18 @@ def _sublayer(hidden: torch.Tensor, norm: Any, pre: bool, run: Any, module: Any,
     return hidden if pre else norm(hidden)
 
 
+def _project_cross(
+    cache: EncoderDecoderCache, attention: Any, states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's cross-attention K/V of the encoder states, stored in the cache as ``BartAttention`` stores them."""
+    kv_shape = (*states.shape[:-1], -1, attention.head_dim)
+    key = attention.k_proj(states).view(kv_shape).transpose(1, 2)
+    value = attention.v_proj(states).view(kv_shape).transpose(1, 2)
+    key, value = cache.cross_attention_cache.update(key, value, attention.layer_idx, kwargs={})
+    cache.is_updated[attention.layer_idx] = True
+    return key, value
+
+
 def _feed_forward(hidden: torch.Tensor, layer: Any, step: tuple) -> torch.Tensor:
     return layer.fc2(layer.activation_fn(layer.fc1(hidden)))
 
@@ -229,6 +241,9 @@ class LeanDecodeStep:
             hidden = decoder.layernorm_embedding(hidden)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(decoder.config._attn_implementation, None)
         states = model_inputs["encoder_outputs"].last_hidden_state
+        compiled = self._compiled_first_step(ids, cache, states, attend)
+        if compiled is not None:
+            return compiled, cache
         step = (cache.self_attention_cache, cache, attend, hidden.shape[:-1], states)
         pre = self.family.pre_norm
         for layer in decoder.layers:
@@ -244,13 +259,37 @@ class LeanDecodeStep:
     def _first_cross_attention(self, hidden: torch.Tensor, attention: Any, step: tuple) -> torch.Tensor:
         _, cache, attend, input_shape, states = step
         query = attention.q_proj(hidden).view((*input_shape, -1, attention.head_dim)).transpose(1, 2)
-        kv_shape = (*states.shape[:-1], -1, attention.head_dim)
-        key = attention.k_proj(states).view(kv_shape).transpose(1, 2)
-        value = attention.v_proj(states).view(kv_shape).transpose(1, 2)
-        key, value = cache.cross_attention_cache.update(key, value, attention.layer_idx, kwargs={})
-        cache.is_updated[attention.layer_idx] = True
+        if cache.is_updated.get(attention.layer_idx):  # projected already (_compiled_first_step, then no program)
+            cross = cache.cross_attention_cache.layers[attention.layer_idx]
+            key, value = cross.keys, cross.values
+        else:
+            key, value = _project_cross(cache, attention, states)
         out, _ = attend(attention, query, key, value, self._encoder_mask, dropout=0.0, scaling=attention.scaling)
         return attention.out_proj(out.reshape(*input_shape, -1).contiguous())
+
+    def _compiled_first_step(self, ids: torch.Tensor, cache: EncoderDecoderCache, states: torch.Tensor, attend: Any):
+        """The first step's logits from the C++ program where one serves already (a later call of the model: every
+        linear has chosen its op), else None. The cross-attention K/V are projected here, with the calls the Python
+        step makes, and the self-attention cache starts empty in place; a step the program then does not take runs
+        in Python on those caches (same bits either way: the program reproduces the Python step)."""
+        if ids.is_cuda or STATIC_ON_CPU or torch.is_grad_enabled():
+            return None
+        compiled = self._compiled_step(attend, ids.shape[0])
+        if compiled is None:
+            return None
+        for layer in self.decoder.layers:
+            _project_cross(cache, layer.encoder_attn, states)
+        attention = self.decoder.layers[0].self_attn
+        empty = states.new_empty((ids.shape[0], attention.num_heads, 0, attention.head_dim))
+        self_cache = cache.self_attention_cache
+        for index in range(len(self.decoder.layers)):
+            self_cache.update(empty, empty, index)
+        grow_in_place(self_cache)
+        self._grown.append(self_cache)
+        crosses = cache.cross_attention_cache.layers
+        if not compiled.takes(ids.shape[0], crosses[0].keys, self._encoder_mask, self_cache.layers):
+            return None
+        return compiled.step(ids, self_cache.layers, crosses, self._encoder_mask)
 
     def _embed(self, ids: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the token embeddings, embeddings + positions), as the family's decoder computes them."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastgen
-from fastgen.models import compiled_step
+from fastgen.models import compiled_step, lean_step
 from fastgen.ops import fast_linear, int8_linear, linear
 from fastgen.optimizer import linear_modes
 from tests import harness
@@ -166,6 +166,27 @@ def _python_reason(report) -> str:
     entries = [entry for entry in report.ran.get("lean_step", []) if entry.startswith("decode step: Python")]
     assert entries and COMPILED not in report.ran.get("lean_step", []), report
     return entries[0]
+
+
+def test_a_later_call_runs_its_first_step_in_the_program(mode, monkeypatch):
+    """The first call's first step runs in Python (its linears choose their ops there); a later call of the same
+    model finds them chosen and runs its first step in the program too: the same bits as the Python step."""
+    model = _model("bart")
+    inputs = harness.tiny_inputs(model, batch=3, length=10)
+    settings = dict(num_beams=4, max_new_tokens=6)
+    python, _ = _generate(model, inputs, False, monkeypatch, features=mode, **settings)
+    first_steps = []
+    original = lean_step.LeanDecodeStep._compiled_first_step
+
+    def spy(self, *args):
+        logits = original(self, *args)
+        first_steps.append(logits is not None)
+        return logits
+
+    monkeypatch.setattr(lean_step.LeanDecodeStep, "_compiled_first_step", spy)
+    compiled, report = _generate(model, inputs, True, monkeypatch, features=mode, **settings)
+    assert COMPILED in report.ran.get("lean_step", []) and first_steps == [True]
+    _assert_identical(compiled, python)
 
 
 def test_int8_weights_on_onednn_keep_the_python_step(monkeypatch):
