@@ -136,8 +136,11 @@ class _Spy:
 
 
 def _generate(model, inputs, features, kernel, monkeypatch, **kwargs):
-    """With or without the attention kernel; the other CPU kernels (int8's passes, its oneDNN backend) in both."""
+    """With or without the attention kernel; the other CPU kernels (int8's passes, its oneDNN backend) in both.
+    The decode step in Python, whose attention calls the spy sees (the C++ step calls the same kernel from C++;
+    tests/models/test_compiled_step.py compares its bits with this step's)."""
     monkeypatch.setenv("FASTGEN_CPU_ATTENTION", "1" if kernel else "0")
+    monkeypatch.setenv("FASTGEN_COMPILED_STEP", "0")
     with fastgen.patched(features), torch.inference_mode():
         return model.generate(**inputs, **kwargs)
 
