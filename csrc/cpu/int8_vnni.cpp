@@ -267,11 +267,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const int64_t panel_bytes = panel_quads * kPanel * 4;
 #if defined(__x86_64__) && defined(__GNUC__)
   if (amx) {
-    // threads over chunks of up to kAmxChunkPairs pairs of panels. Within a chunk, each 32-row block's products
-    // fill a 32 x (chunk width) accumulator (L1) and the epilogue then runs on whole chunk rows: per 32 x 32
-    // block it was two vectors a call (64 x 256 -> 256 / -> 1024 with GELU / -> 6,000: 0.80 / 0.77 / 0.41x
-    // the time; measured in one process, Intel Xeon AMX, 1 thread)
-    // (a whole number of chunks per thread, so that the threads' shares stay even)
+    // threads over chunks of up to kAmxChunkPairs pairs of panels, a whole number of chunks per thread (even
+    // shares). Within a chunk, each 32-row block's products fill a 32 x (chunk width) accumulator (L1) and the
+    // epilogue runs on whole chunk rows: per 32 x 32 block it was two vectors a call (a GELU product took
+    // 1.2-1.3x as long; Intel Xeon AMX, 1 thread, measured in one process)
     const int64_t pairs = (panels + 1) / 2, threads = at::get_num_threads();
     const int64_t per_thread = (pairs + threads * kAmxChunkPairs - 1) / (threads * kAmxChunkPairs);
     const int64_t chunk_pairs = std::max<int64_t>(1, (pairs + threads * per_thread - 1) / (threads * per_thread));

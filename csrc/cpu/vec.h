@@ -23,6 +23,7 @@ typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float)), aligned
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
 
 inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat*>(p); }
+inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat*>(p) = v; }
 
 // Bit j set where x[j] > t (ordered: a NaN lane never is): a top-k scan tests each vector against its
 // threshold and offers only the lanes above it, instead of every element of a block whose maximum passed.
@@ -30,14 +31,14 @@ inline uint32_t greater_mask(vfloat x, float t) {
 #if defined(__AVX512F__)
   return _mm512_cmp_ps_mask(reinterpret_cast<__m512>(x), _mm512_set1_ps(t), _CMP_GT_OQ);
 #elif defined(__AVX__)
-  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(reinterpret_cast<__m256>(x), _mm256_set1_ps(t), _CMP_GT_OQ)));
+  const __m256 above = _mm256_cmp_ps(reinterpret_cast<__m256>(x), _mm256_set1_ps(t), _CMP_GT_OQ);
+  return static_cast<uint32_t>(_mm256_movemask_ps(above));
 #else
   uint32_t mask = 0;
   for (int j = 0; j < kLanes; ++j) mask |= static_cast<uint32_t>(x[j] > t) << j;
   return mask;
 #endif
 }
-inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat*>(p) = v; }
 
 // exp with ~1 ulp error (Cody-Waite reduction, Cephes' polynomial), written so the compiler vectorizes
 // it in a loop (libm's expf is a call per element); below -87.3 (and -inf) it gives 0.

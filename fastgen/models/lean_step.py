@@ -267,7 +267,15 @@ class LeanDecodeStep:
         out, _ = attend(attention, query, key, value, self._encoder_mask, dropout=0.0, scaling=attention.scaling)
         return attention.out_proj(out.reshape(*input_shape, -1).contiguous())
 
-    def _compiled_first_step(self, ids: torch.Tensor, cache: EncoderDecoderCache, states: torch.Tensor, attend: Any):
+    def _grow(self, self_cache: DynamicCache) -> None:
+        """The call's self-attention cache writes its K/V in place from here on (growing_cache), once."""
+        if not any(self_cache is grown for grown in self._grown):
+            grow_in_place(self_cache)
+            self._grown.append(self_cache)
+
+    def _compiled_first_step(
+        self, ids: torch.Tensor, cache: EncoderDecoderCache, states: torch.Tensor, attend: Any
+    ) -> torch.Tensor | None:
         """The first step's logits from the C++ program where one serves already (a later call of the model: every
         linear has chosen its op), else None. The cross-attention K/V are projected here, with the calls the Python
         step makes, and the self-attention cache starts empty in place; a step the program then does not take runs
@@ -284,8 +292,7 @@ class LeanDecodeStep:
         self_cache = cache.self_attention_cache
         for index in range(len(self.decoder.layers)):
             self_cache.update(empty, empty, index)
-        grow_in_place(self_cache)
-        self._grown.append(self_cache)
+        self._grow(self_cache)
         crosses = cache.cross_attention_cache.layers
         if not compiled.takes(ids.shape[0], crosses[0].keys, self._encoder_mask, self_cache.layers):
             return None
@@ -396,9 +403,7 @@ class LeanDecodeStep:
             if self._masks(embeds, cache, model_inputs) is not None:
                 return None
         decoder = self.decoder
-        if not any(cache.self_attention_cache is grown for grown in self._grown):
-            grow_in_place(cache.self_attention_cache)  # K/V written in place from here on (growing_cache)
-            self._grown.append(cache.self_attention_cache)
+        self._grow(cache.self_attention_cache)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(decoder.config._attn_implementation, None)
         self_cache, cross_cache = cache.self_attention_cache, cache.cross_attention_cache
         static = self._static_step(ids)

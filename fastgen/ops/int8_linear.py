@@ -397,8 +397,9 @@ class Int8Weight:
                 run()
                 times[name].append(time.perf_counter() - start)
         self.choice_ms = {name: sorted(t)[CHOICE_ROUNDS // 2] * 1e3 for name, t in times.items()}
-        if preferred_kind(self.choice_ms) != "onednn":
-            self.kind, self.packed = preferred_kind(self.choice_ms), own_packed
+        kept = preferred_kind(self.choice_ms)
+        if kept != "onednn":
+            self.kind, self.packed = kept, own_packed
         self._codes = None
 
     def _symmetric_on_own_codes(self, x2: torch.Tensor, bias: torch.Tensor | None, activation: int) -> torch.Tensor:
