@@ -8,7 +8,8 @@
 //
 // The class holds a program built once per generate call (fastgen.models.compiled_step): the decoder's
 // tensors and, for each linear, the op the call's mode runs for it: the int8 mode's AMX / VNNI op with the
-// packed weight, fast_gemm's oneDNN op with its packed weight, or in the exact mode ATen's linear or
+// packed weight (or oneDNN's product between fastgen's row passes, where the weight's first product timed
+// it faster), fast_gemm's oneDNN op with its packed weight, or in the exact mode ATen's linear or
 // fastgen's ordered kernel with the summation order its calibration proved equal to F.linear. Attention is
 // fastgen's CPU kernel in the fast modes and SDPA,
 // called as Transformers' sdpa_attention_forward calls it, in the exact mode. step() computes exactly what
@@ -32,11 +33,14 @@
 #include <ATen/ops/relu.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -47,6 +51,9 @@ constexpr int64_t kInt8Amx = 1;
 constexpr int64_t kInt8Vnni = 2;
 constexpr int64_t kOrdered = 3;  // fastgen_cpu::ordered_linear with the order the exact mode's calibration chose
 constexpr int64_t kPacked = 4;   // mkldnn::_linear_pointwise with fast_gemm's packed weight
+constexpr int64_t kInt8Onednn = 5;  // the int8 mode's oneDNN product between fastgen's row passes
+
+bool fuses_activation(int64_t kind) { return kind == kInt8Amx || kind == kInt8Vnni || kind == kInt8Onednn; }
 // attention kinds
 constexpr int64_t kSdpa = 0;    // SDPA, as Transformers' sdpa_attention_forward calls it (the exact mode)
 constexpr int64_t kKernel = 1;  // fastgen_cpu::attention (the approximate modes)
@@ -77,6 +84,27 @@ const c10::OperatorHandle& packed_op() {
   return op;
 }
 
+using QuantizeOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&);
+using ScaleOp = at::Tensor&(at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+
+const c10::TypedOperatorHandle<QuantizeOp>& quantize_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fastgen_cpu::quantize_rows_u8_zp", "").typed<QuantizeOp>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<ScaleOp>& scale_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fastgen_cpu::scale_rows_add_", "").typed<ScaleOp>();
+  return op;
+}
+
+const c10::OperatorHandle& onednn_int8_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
+  return op;
+}
+
 const c10::TypedOperatorHandle<AttentionOp>& attention_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("fastgen_cpu::attention", "").typed<AttentionOp>();
@@ -88,6 +116,7 @@ struct Linear {
   at::Tensor weight;  // ATen: the (N, K) weight; int8: the packed codes
   std::optional<at::Tensor> bias;
   at::Tensor scale, col_sums;  // int8 only
+  at::Tensor zero_points;      // oneDNN int8: the weight's zero points (all 0)
   int64_t out_features = 0, activation = 0;  // activation: int8's fused code
   int64_t block = 0, bias_at = 0;            // ordered: the summation order
 };
@@ -144,15 +173,16 @@ class DecoderStep : public torch::CustomClassHolder {
                   std::optional<at::Tensor> scale, std::optional<at::Tensor> col_sums, int64_t out_features,
                   int64_t activation, int64_t block, int64_t bias_at) {
     TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "DecoderStep: linear index");
-    TORCH_CHECK(kind >= kAtenLinear && kind <= kPacked, "DecoderStep: unknown linear kind");
+    TORCH_CHECK(kind >= kAtenLinear && kind <= kInt8Onednn, "DecoderStep: unknown linear kind");
     Linear& l = linears_[static_cast<size_t>(index)];
     l.kind = kind;
     l.weight = weight;
     l.bias = bias;
-    if (kind == kInt8Amx || kind == kInt8Vnni) {
+    if (fuses_activation(kind)) {
       TORCH_CHECK(scale.has_value() && col_sums.has_value(), "DecoderStep: an int8 linear needs scales and sums");
       l.scale = *scale;
       l.col_sums = *col_sums;
+      if (kind == kInt8Onednn) l.zero_points = at::zeros(l.scale.sizes(), l.scale.options().dtype(at::kLong));
     }
     l.out_features = out_features;
     l.activation = activation;
@@ -270,7 +300,7 @@ class DecoderStep : public torch::CustomClassHolder {
     // feed-forward
     x = pre_norm_ ? norm(hidden, norms[2]) : hidden;
     at::Tensor inner = linear(x, lin[6]);
-    if (lin[6].kind != kInt8Amx && lin[6].kind != kInt8Vnni) inner = activate(inner);
+    if (!fuses_activation(lin[6].kind)) inner = activate(inner);
     return sublayer(hidden, linear(inner, lin[7]), norms[2]);
   }
 
@@ -323,6 +353,15 @@ class DecoderStep : public torch::CustomClassHolder {
     at::Tensor y;
     if (l.kind == kOrdered) {
       y = ordered_op().call(x2, l.weight, l.bias, l.block, l.bias_at);
+    } else if (l.kind == kInt8Onednn) {  // Int8Weight._asymmetric's fused path: the same three ops
+      if (!x2.is_contiguous()) x2 = x2.contiguous();
+      auto [codes, row_scale, row_zero] = quantize_op().call(x2);
+      torch::jit::Stack stack{codes, 1.0, int64_t{0}, l.weight, l.scale, l.zero_points, std::optional<at::Tensor>(),
+                              1.0, int64_t{0}, std::optional<at::ScalarType>(at::kFloat), std::string("none"),
+                              c10::List<std::optional<c10::Scalar>>(), std::string()};
+      onednn_int8_op().callBoxed(&stack);
+      y = stack.back().toTensor();
+      scale_op().call(y, row_scale, l.bias, l.activation, row_zero, l.col_sums);
     } else {
       if (!x2.is_contiguous()) x2 = x2.contiguous();
       y = int8_op(l.kind == kInt8Amx).call(x2, l.weight, l.out_features, l.scale, l.col_sums, l.bias, l.activation);

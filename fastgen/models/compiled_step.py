@@ -11,13 +11,14 @@ It serves where every op of the step is one it reproduces:
 * the exact mode: each linear in the form its calibration settled on for the step's row count (``F.linear``
   or fastgen's ordered kernel with its order; a key still being calibrated or on trial keeps the Python step
   until it settles, and a new row count builds the program again), SDPA for attention;
-* the ``int8`` mode: fastgen's own int8 op (AMX or VNNI) on every decoder linear and the LM head, the
-  activation fused into ``fc1``, fastgen's CPU attention where the Python step's attention takes it;
+* the ``int8`` mode: each decoder linear and the LM head on the op its first product kept (fastgen's own
+  AMX or VNNI op, or oneDNN's product between fastgen's quantization and scaling passes), the activation
+  fused into the scaling, fastgen's CPU attention where the Python step's attention takes it;
 * the ``fast_gemm`` mode: each linear in the form its timing kept for the row count (oneDNN with the packed
   weight, or the exact mode's settled form), fastgen's CPU attention as in ``int8``;
 
 with no hooks on any module of the step, one activation kind, and a cross-attention mask that is absent or
-one row per input. Anything else (oneDNN int8 weights, the symmetric grid, a blocked exact
+one row per input. Anything else (the symmetric grid, fbgemm's int8 weights, a blocked exact
 form, grouped K/V heads) keeps the Python lean step, which gives the same results; the report says which
 step ran and why. ``FASTGEN_COMPILED_STEP=0`` turns it off.
 """
@@ -35,7 +36,7 @@ from fastgen.ops import cpu_attention
 ENV = "FASTGEN_COMPILED_STEP"
 # the C++ class's linear kinds (csrc/cpu/decoder_step.cpp)
 _ATEN_LINEAR, _ORDERED, _PACKED = 0, 3, 4
-_INT8_KINDS = {"amx": 1, "vnni": 2}  # fastgen's own int8 ops
+_INT8_KINDS = {"amx": 1, "vnni": 2, "onednn": 5}  # fastgen's own int8 ops; oneDNN's between fastgen's row passes
 _ATTENTION_SDPA, _ATTENTION_KERNEL = 0, 1
 _OFF = ("0", "false", "off", "no")
 NOT_CHOSEN = "an int8 weight before its first product"

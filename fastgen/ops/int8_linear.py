@@ -159,10 +159,10 @@ def backend() -> str:
 CHOICE_ROUNDS = 5
 
 #: oneDNN is chosen over fastgen's own ops only where its median time is at most this fraction of theirs. Why:
-#: only the own ops run inside the C++ decode step (:mod:`fastgen.models.compiled_step`), and one decoder
-#: weight on oneDNN sends the whole step back to Python (~40% slower end to end on a small BART). With the
-#: plain fastest rule, timing noise on a near tie (the LM head at 0.71 against 0.74 ms) did so in about one
-#: process in ten (Intel Xeon, AMX, busy machine).
+#: a near tie is decided by timing noise (the LM head at 0.71 against 0.74 ms flipped in about one process in
+#: ten, Intel Xeon, AMX, busy machine), and the own op is one call where oneDNN's path is three (quantize,
+#: product, scale), so ties go to the own op. Both run inside the C++ decode step
+#: (:mod:`fastgen.models.compiled_step`).
 ONEDNN_MARGIN = 0.9
 
 #: A product with at least this many outputs (rows x out features) goes to oneDNN under ``auto``.

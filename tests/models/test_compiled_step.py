@@ -1,14 +1,16 @@
 """The compiled decode step (fastgen.models.compiled_step, csrc/cpu/decoder_step.cpp): the Python lean step's bits.
 
-In the int8 mode with fastgen's own int8 kernels, ``generate`` with ``FASTGEN_COMPILED_STEP=1`` must return
-exactly what it returns with ``=0`` (the Python lean step, itself upstream's step op for op): every step's
-scores ``torch.equal``, the tokens and sequence scores too, over beam search (beam-shared cross K/V), greedy,
-sampling with a seed, padded inputs, inputs that finish at different steps and a generation long enough to
-grow the self-attention buffers. The report says which step ran; anything the program does not reproduce
-(the exact mode, hooks on a module of the step, the switch) keeps the Python step.
+In every mode (int8 on fastgen's own kernels, on oneDNN's or on a mix; exact; fast_gemm), ``generate`` with
+``FASTGEN_COMPILED_STEP=1`` must return exactly what it returns with ``=0`` (the Python lean step, itself upstream's
+step op for op): every step's scores ``torch.equal``, the tokens and sequence scores too, over beam search
+(beam-shared cross K/V), greedy, sampling with a seed, padded inputs, inputs that finish at different steps and a
+generation long enough to grow the self-attention buffers. The report says which step ran; anything the program does
+not reproduce (fbgemm's int8 weights, hooks on a module of the step, the switch) keeps the Python step.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -31,12 +33,16 @@ def _own_int8_kinds() -> list[str]:
     ]
 
 
-@pytest.fixture(params=["int8-vnni", "int8-amx", "exact", "exact-ordered", "fast-packed", "fast-timed"])
+@pytest.fixture(
+    params=["int8-vnni", "int8-amx", "int8-onednn", "int8-mixed", "exact", "exact-ordered", "fast-packed", "fast-timed"]
+)
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """The features of one mode the program reproduces: int8 on fastgen's own op of one kind (skipped where the
-    CPU has none); the exact mode with its calibration settled at a step's first product (``exact-ordered``:
-    every linear whose bits some order reproduces keeps the ordered kernel, whatever the timings say);
-    ``fast_gemm`` with every linear packed, or timed against the exact form at its first product."""
+    """The features of one mode the program reproduces: int8 on fastgen's own op of one kind (skipped where the CPU has
+    none), on oneDNN, or mixed (``auto``'s choice at each weight's first product alternating between oneDNN and
+    an own op, as on a CPU where each wins some shapes); the exact mode with its calibration settled at a step's
+    first product (``exact-ordered``: every linear whose bits some order reproduces keeps the ordered kernel,
+    whatever the timings say); ``fast_gemm`` with every linear packed, or timed against the exact form at its
+    first product."""
     name = request.param
     if name.startswith("fast"):
         if fast_linear.unavailable() is not None:
@@ -54,9 +60,18 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
         return
     if name.startswith("int8"):
         kind = name.removeprefix("int8-")
-        if kind not in _own_int8_kinds():
+        if kind == "mixed":
+            if not _own_int8_kinds() or int8_linear.backend() != "auto":
+                pytest.skip("int8's auto backend has no own op to mix with oneDNN on this CPU")
+            picks = itertools.cycle(["onednn", _own_int8_kinds()[0]])
+            monkeypatch.setattr(int8_linear, "preferred_kind", lambda choice_ms: next(picks))
+            monkeypatch.delenv(int8_linear.BACKEND_ENV, raising=False)
+        elif kind == "onednn" and not int8_linear._has_onednn():
+            pytest.skip("no oneDNN int8 op in this torch build")
+        elif kind != "onednn" and kind not in _own_int8_kinds():
             pytest.skip(f"no {kind} int8 op on this CPU")
-        monkeypatch.setenv(int8_linear.BACKEND_ENV, kind)
+        else:
+            monkeypatch.setenv(int8_linear.BACKEND_ENV, kind)
         linear_modes.forget_int8()
         yield ("int8",)
         linear_modes.forget_int8()
@@ -189,8 +204,10 @@ def test_a_later_call_runs_its_first_step_in_the_program(mode, monkeypatch):
     _assert_identical(compiled, python)
 
 
-def test_int8_weights_on_onednn_keep_the_python_step(monkeypatch):
-    monkeypatch.setenv(int8_linear.BACKEND_ENV, "onednn")
+def test_int8_weights_on_fbgemm_keep_the_python_step(monkeypatch):
+    if not int8_linear._has_fbgemm():
+        pytest.skip("no fbgemm int8 op in this torch build")
+    monkeypatch.setenv(int8_linear.BACKEND_ENV, "fbgemm")
     linear_modes.forget_int8()
     try:
         model = _model("bart")
@@ -198,7 +215,7 @@ def test_int8_weights_on_onednn_keep_the_python_step(monkeypatch):
         _, report = _generate(model, inputs, True, monkeypatch, num_beams=2, max_new_tokens=4)
     finally:
         linear_modes.forget_int8()
-    assert "an int8 weight on the onednn path" in _python_reason(report)
+    assert "an int8 weight on the fbgemm path" in _python_reason(report)
 
 
 def test_the_switch_keeps_the_python_step(monkeypatch):
