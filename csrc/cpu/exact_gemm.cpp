@@ -100,7 +100,9 @@ void tile(const float* xt, const float* w, int64_t K, int64_t n0, const float* b
   V s[R][kC];
   for (int64_t k0 = 0; k0 < K; k0 += block) {
     const int64_t k1 = std::min(K, k0 + block);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
+#pragma GCC unroll 12
       for (int j = 0; j < kC; ++j) s[r][j] = vzero();
     for (int64_t k = k0; k < k1; ++k) {
       if (next != nullptr && (k & (kLineFloats - 1)) == 0) {
@@ -109,9 +111,12 @@ void tile(const float* xt, const float* w, int64_t K, int64_t n0, const float* b
         for (int64_t j = 0; j < next_cols; ++j) __builtin_prefetch(next + j * K + k, 0, 2);
       }
       V xv[R];
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) xv[r] = vload(xt + (k * R + r) * kLanes);
+#pragma GCC unroll 12
       for (int j = 0; j < kC; ++j) {
         const V wv = vset1(w[j * K + k]);
+#pragma GCC unroll 4
         for (int r = 0; r < R; ++r) s[r][j] = vfma(xv[r], wv, s[r][j]);
       }
     }
@@ -172,13 +177,18 @@ void panel_block(const float* xa, const float* panel, int64_t kb, int cols, cons
                  bool last_block, bool bias_last, float* y, int64_t N) {
   constexpr int C = kPanelVecs;
   V s[kR][C];
+#pragma GCC unroll 8
   for (int r = 0; r < kR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < C; ++v) s[r][v] = vzero();
   for (int64_t k = 0; k < kb; ++k) {
     V wv[C];
+#pragma GCC unroll 4
     for (int v = 0; v < C; ++v) wv[v] = vload(panel + k * kPanel + v * kLanes);
+#pragma GCC unroll 8
     for (int r = 0; r < kR; ++r) {
       const V xv = vset1(xa[k * kPanelRows + r]);
+#pragma GCC unroll 4
       for (int v = 0; v < C; ++v) s[r][v] = vfma(xv, wv[v], s[r][v]);
     }
   }

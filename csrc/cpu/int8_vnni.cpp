@@ -80,20 +80,30 @@ at::Tensor pack_int8_vnni(const at::Tensor& codes) {
 template <int R, int C>
 void tile(const uint8_t* xq, int64_t stride, const int8_t* w, int64_t panel_quads, int64_t quads, int32_t* acc) {
 #if defined(FASTGEN_VNNI)
+  // The unroll pragmas keep the R x C sums in registers: without them GCC 12 stored every sum to the stack
+  // and copied it between registers on each k step, at half the speed (~95 against ~190 GMAC/s at
+  // 64 x 256 -> 6000, AMD EPYC, 1 thread).
   __m512i s[R][C];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c) s[r][c] = _mm512_setzero_si512();
   for (int64_t q = 0; q < quads; ++q) {
     __m512i wv[C];
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + (c * panel_quads + q) * kPanel * 4);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, xq + r * stride + q * 4, 4);
       const __m512i xv = _mm512_set1_epi32(four);
+#pragma GCC unroll 4
       for (int c = 0; c < C; ++c) s[r][c] = _mm512_dpbusd_epi32(s[r][c], xv, wv[c]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c) _mm512_storeu_si512(acc + (r * C + c) * kPanel, s[r][c]);
 #else
   for (int r = 0; r < R; ++r)
