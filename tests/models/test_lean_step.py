@@ -18,8 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
 import fastgen
-from fastgen.models import lean_step
+from fastgen.models import growing_cache, lean_step
 from fastgen.models.growing_cache import GrowingLayer
+from fastgen.ops import cpu_kernels
 from tests import harness
 
 pytestmark = harness.requires_feature("beam")
@@ -188,7 +189,13 @@ def test_the_returned_cache_has_plain_contiguous_layers_equal_to_upstreams(model
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
 
 
-def test_a_growing_layer_does_what_a_dynamic_layer_does():
+@pytest.mark.parametrize("in_place", [True, False], ids=["reorder-in-place", "reorder-gather"])
+def test_a_growing_layer_does_what_a_dynamic_layer_does(in_place, monkeypatch):
+    if in_place and not cpu_kernels.available():
+        pytest.skip(str(cpu_kernels.unavailable_reason()))
+    decided = []
+    choose = growing_cache._reorder_in_place if in_place else (lambda buffer, indices: False)
+    monkeypatch.setattr(growing_cache, "_reorder_in_place", lambda *a: decided.append(choose(*a)) or decided[-1])
     generator = torch.Generator().manual_seed(0)
 
     def states(rows: int, length: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,6 +224,7 @@ def test_a_growing_layer_does_what_a_dynamic_layer_does():
         assert growing.get_seq_length() == plain.get_seq_length()
     final = growing.plain()
     assert type(final) is DynamicLayer and final.keys.is_contiguous() and torch.equal(final.keys, plain.keys)
+    assert decided == [in_place, in_place]  # the two reorders, in place or gathered
 
 
 def test_other_transformers_releases_keep_upstreams_forward(monkeypatch):
