@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from fastgen.continuous import cache
 from fastgen.continuous.cache import SLOT_CHUNK, SlotLayer
+from fastgen.ops import cpu_kernels
 
 HEADS, DIM = 3, 4
 
@@ -27,7 +30,13 @@ def _check(layer: SlotLayer, rows: list[list[torch.Tensor]], width: int) -> None
             assert torch.equal(values[index, :, slot], -expected), (index, slot)
 
 
-def test_slot_layer_matches_a_per_row_reference():
+@pytest.mark.parametrize("in_place", [True, False], ids=["reorder-in-place", "reorder-gather"])
+def test_slot_layer_matches_a_per_row_reference(in_place, monkeypatch):
+    if in_place and not cpu_kernels.available():
+        pytest.skip(str(cpu_kernels.unavailable_reason()))
+    decided = []
+    choose = cache._in_place if in_place else (lambda buffer, rows: False)
+    monkeypatch.setattr(cache, "_in_place", lambda *a: decided.append(choose(*a)) or decided[-1])
     rng = random.Random(0)
     torch.manual_seed(0)
     layer, rows = SlotLayer(), []  # rows: each running row's entries (values are the keys negated)
@@ -74,6 +83,7 @@ def test_slot_layer_matches_a_per_row_reference():
             for index, entries in enumerate(rows):
                 assert torch.count_nonzero(view[index, len(entries) :]) == 0, (step, index)
     assert grew and reordered and retired and prefilled, (grew, reordered, retired, prefilled)
+    assert set(decided) == {in_place}  # every reorder and retirement in place, or every one gathered
 
 
 def test_cross_slots_match_a_per_input_reference():

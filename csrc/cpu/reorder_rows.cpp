@@ -9,8 +9,10 @@
 // changed rows into a small scratch (a few KiB, in cache) and from there into the changed rows, so the cache
 // itself sees one read and one write per changed row. The values are the gather's, byte for byte.
 //
-// buffers: tensors (T, rows, ...) contiguous, reordered over positions [0, length); parents (rows,) int64:
-// row r takes the contents of row parents[r].
+// buffers: tensors (T, rows, ...) whose rows are each one contiguous block (dims from 2 on dense: a time-major
+// cache, or a row-major one viewed as (1, rows, slots in use, features)), reordered over positions
+// [0, length); parents (count,) int64, count <= rows: row r < count takes the contents of row parents[r]
+// (rows past count are left as they are: a caller that keeps fewer rows drops them).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,35 +33,47 @@ void reorder_rows_(const std::vector<at::Tensor>& buffers, int64_t length, const
   TORCH_CHECK(parents.device().is_cpu() && parents.scalar_type() == at::kLong && parents.dim() == 1,
               "reorder_rows_: parents must be a 1-D int64 CPU tensor");
   const at::Tensor p = parents.contiguous();
-  const int64_t rows = p.size(0);
+  const int64_t count = p.size(0);
   const int64_t* pp = p.data_ptr<int64_t>();
+  TORCH_CHECK(!buffers.empty(), "reorder_rows_: no buffers");
+  const int64_t rows = buffers[0].dim() >= 2 ? buffers[0].size(1) : 0;
+  TORCH_CHECK(count <= rows, "reorder_rows_: ", count, " parents for ", rows, " rows");
   std::vector<std::pair<int64_t, int64_t>> moves;  // (row, its parent) where they differ
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < count; ++r) {
     TORCH_CHECK(pp[r] >= 0 && pp[r] < rows, "reorder_rows_: parent ", pp[r], " outside [0, ", rows, ")");
     if (pp[r] != r) moves.emplace_back(r, pp[r]);
   }
-  for (const at::Tensor& b : buffers) {
-    TORCH_CHECK(b.device().is_cpu() && b.is_contiguous() && b.dim() >= 2 && b.size(1) == rows,
-                "reorder_rows_: each buffer must be a contiguous CPU tensor (T, rows, ...)");
+  std::vector<int64_t> row_bytes(buffers.size());
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const at::Tensor& b = buffers[i];
+    TORCH_CHECK(b.device().is_cpu() && b.dim() >= 2 && b.size(1) == rows,
+                "reorder_rows_: each buffer must be a CPU tensor (T, rows, ...) with the same rows");
+    int64_t dense = 1;  // dims from 2 on must be one contiguous block per row
+    for (int64_t d = b.dim() - 1; d >= 2; --d) {
+      TORCH_CHECK(b.size(d) == 1 || b.stride(d) == dense, "reorder_rows_: a row of a buffer is not contiguous");
+      dense *= b.size(d);
+    }
+    TORCH_CHECK(b.stride(1) >= dense, "reorder_rows_: rows of a buffer overlap");
     TORCH_CHECK(length >= 0 && length <= b.size(0), "reorder_rows_: length ", length, " outside the buffer");
+    row_bytes[i] = dense * static_cast<int64_t>(b.element_size());
   }
   if (moves.empty() || length == 0) return;
   const int64_t items = static_cast<int64_t>(buffers.size()) * length;
-  int64_t max_row_bytes = 0;
-  for (const at::Tensor& b : buffers) max_row_bytes = std::max<int64_t>(max_row_bytes, b.stride(1) * b.element_size());
+  const int64_t max_row_bytes = *std::max_element(row_bytes.begin(), row_bytes.end());
   const int64_t bytes_per_item = 2 * static_cast<int64_t>(moves.size()) * max_row_bytes;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, bytes_per_item));
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<char> scratch(static_cast<size_t>(moves.size() * max_row_bytes));
     for (int64_t i = i0; i < i1; ++i) {
-      const at::Tensor& b = buffers[static_cast<size_t>(i / length)];
-      const int64_t t = i % length, row_bytes = b.stride(1) * b.element_size();
+      const size_t which = static_cast<size_t>(i / length);
+      const at::Tensor& b = buffers[which];
+      const int64_t t = i % length, bytes = row_bytes[which], row_stride = b.stride(1) * b.element_size();
       char* base = static_cast<char*>(b.data_ptr()) + t * b.stride(0) * b.element_size();
       char* s = scratch.data();
       for (size_t j = 0; j < moves.size(); ++j)
-        std::memcpy(s + j * row_bytes, base + moves[j].second * row_bytes, static_cast<size_t>(row_bytes));
+        std::memcpy(s + j * bytes, base + moves[j].second * row_stride, static_cast<size_t>(bytes));
       for (size_t j = 0; j < moves.size(); ++j)
-        std::memcpy(base + moves[j].first * row_bytes, s + j * row_bytes, static_cast<size_t>(row_bytes));
+        std::memcpy(base + moves[j].first * row_stride, s + j * bytes, static_cast<size_t>(bytes));
     }
   });
 }

@@ -35,9 +35,9 @@ class SlotLayer(DynamicLayer):
     known on the host) before each forward; ``update`` returns the first ``width`` slots of every row.
 
     Storage is row-major, ``(rows, slots, heads * head_dim)`` (the attention reads a strided
-    ``(rows, heads, width, head_dim)`` view of it), and doubled: a beam reorder or a retirement copies
-    the slots in use (up to the last step's width) into the spare buffer with one ``index_select`` and
-    swaps the two.
+    ``(rows, heads, width, head_dim)`` view of it). A beam reorder or a retirement moves, in place, only
+    the rows whose parent is another row, their slots in use (fastgen's CPU op); elsewhere it copies the
+    slots in use of every row into a spare buffer with one ``index_select`` and swaps the two.
     Why: the reorder runs every beam step over every row, and rows of a continuous batch are of mixed
     ages, so it is the largest cost of the step outside the model (a head-major buffer copied whole
     cost about a sixth of a 64-row bart-base step). Row-major, each row's slots are one contiguous
@@ -125,6 +125,11 @@ class SlotLayer(DynamicLayer):
             self.rows = len(rows)
             return
         count, used = len(rows), self._used
+        if count <= self.rows and _in_place(self._buffers[0], rows):  # only rows whose parent is another row move
+            views = [buffer[: self.rows, :used].unsqueeze(0) for buffer in self._buffers]
+            torch.ops.fastgen_cpu.reorder_rows_(views, 1, rows)
+            self.rows = count  # (slots past ``used`` of a moved row are its own zeros: ``_clean`` holds)
+            return
         for buffer, spare in zip(self._buffers, self._spares, strict=True):
             torch.index_select(buffer[: self.rows, :used], 0, rows, out=spare[:count, :used])
         self._buffers, self._spares = self._spares, self._buffers
@@ -150,6 +155,15 @@ class SlotLayer(DynamicLayer):
         self._used = max(self._used, length)
         for buffer, states in zip(self._buffers, (keys, values), strict=True):
             buffer[start : self.rows, :length] = states.transpose(1, 2).reshape(count, length, -1)
+
+
+def _in_place(buffer: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether fastgen's CPU op can reorder the rows in place (``fastgen_cpu::reorder_rows_``)."""
+    if buffer.device.type != "cpu" or rows.dtype != torch.int64:
+        return False
+    from fastgen.ops import cpu_kernels  # imported here: this module loads before the kernels are wanted
+
+    return cpu_kernels.loaded() and hasattr(torch.ops.fastgen_cpu, "reorder_rows_")
 
 
 def _heads_view(buffer: torch.Tensor, rows: int, width: int, heads: int) -> torch.Tensor:

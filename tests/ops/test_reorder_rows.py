@@ -41,6 +41,18 @@ def test_the_op_leaves_what_the_gather_gives(rows, length, spare, data):
         assert torch.equal(got, expected)
 
 
+def test_fewer_parents_than_rows_fill_the_first_rows_of_strided_row_blocks():
+    """A row-major slot buffer (rows, slots, features) viewed as (1, rows, slots in use, features): rows past the
+    parents' count are left as they were (the caller drops them)."""
+    generator = torch.Generator().manual_seed(3)
+    buffer = torch.randn(6, 10, 4, generator=generator)
+    parents = torch.tensor([4, 0, 0, 3])
+    want = buffer.clone()
+    want[:4, :7] = buffer[:6, :7].index_select(0, parents)
+    torch.ops.fastgen_cpu.reorder_rows_([buffer[:, :7].unsqueeze(0)], 1, parents)
+    assert torch.equal(buffer, want)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threads_move_the_same_bytes(threads):
     parents = torch.tensor([3, 3, 0, 1, 7, 5, 5, 2])
@@ -64,6 +76,8 @@ def test_bad_arguments_are_refused():
     with pytest.raises(RuntimeError, match="int64"):
         torch.ops.fastgen_cpu.reorder_rows_(buffers, 2, torch.tensor([0, 1, 2], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.fastgen_cpu.reorder_rows_([buffers[0].transpose(0, 1)], 2, torch.tensor([0, 1, 2]))
+        torch.ops.fastgen_cpu.reorder_rows_([buffers[0].transpose(2, 3)], 2, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="4 parents for 3 rows"):
+        torch.ops.fastgen_cpu.reorder_rows_(buffers, 2, torch.tensor([0, 1, 2, 2]))
     with pytest.raises(RuntimeError, match="length"):
         torch.ops.fastgen_cpu.reorder_rows_(buffers, 5, torch.tensor([0, 1, 2]))
