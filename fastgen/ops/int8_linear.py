@@ -43,8 +43,10 @@ NaN or an infinity there; either way the row is lost), and the other rows are un
   at 16 x 256 -> 256 it takes 42 us, the VNNI op 13, the AMX op 9; at bart-base's 16-row products the AMX op
   takes 20 / 111 / 126 us for 768 -> 768 / 3072 / 768 <- 3072 against oneDNN's 62 / 183 / 178 and the
   vocabulary projection 1.95 ms against 2.35; oneDNN keeps the encoder's 1024-row 3072-wide products (AMX
-  op 0.7-1.0x). VNNI alone loses on larger products (0.5-0.8x oneDNN). So ``auto`` times the candidates on a
-  weight's first product and keeps the fastest, oneDNN only by a margin (:func:`preferred_kind`).
+  op 0.7-1.0x). On an AMD EPYC core (AVX-512 VNNI, no AMX) the VNNI op takes 0.55-0.97x oneDNN's time at
+  decode sizes (64 rows, 256 -> 256 up to 256 -> 6,000) and 1.0-1.06x on 480-row encoder products. So
+  ``auto`` times the candidates on a weight's first product and keeps the fastest, oneDNN only by a margin
+  (:func:`preferred_kind`).
 * ``int_mm``: ``torch._int_mm`` (int8 x int8 -> int32; codes shifted by 128, the shift added back in int32)
   with the scaling in torch ops: the reference's arithmetic exactly, slower (measured), kept for torch
   builds without the quantized engine.
