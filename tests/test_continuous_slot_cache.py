@@ -15,7 +15,7 @@ import torch
 
 from fastgen.continuous import cache
 from fastgen.continuous.cache import SLOT_CHUNK, SlotLayer
-from fastgen.ops import cpu_kernels
+from tests import harness
 
 HEADS, DIM = 3, 4
 
@@ -32,11 +32,7 @@ def _check(layer: SlotLayer, rows: list[list[torch.Tensor]], width: int) -> None
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["reorder-in-place", "reorder-gather"])
 def test_slot_layer_matches_a_per_row_reference(in_place, monkeypatch):
-    if in_place and not cpu_kernels.available():
-        pytest.skip(str(cpu_kernels.unavailable_reason()))
-    decided = []
-    choose = cache._in_place if in_place else (lambda buffer, rows: False)
-    monkeypatch.setattr(cache, "_in_place", lambda *a: decided.append(choose(*a)) or decided[-1])
+    decided = harness.force_in_place_reorder(monkeypatch, cache, "_in_place", in_place)
     rng = random.Random(0)
     torch.manual_seed(0)
     layer, rows = SlotLayer(), []  # rows: each running row's entries (values are the keys negated)

@@ -20,7 +20,6 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderC
 import fastgen
 from fastgen.models import growing_cache, lean_step
 from fastgen.models.growing_cache import GrowingLayer
-from fastgen.ops import cpu_kernels
 from tests import harness
 
 pytestmark = harness.requires_feature("beam")
@@ -191,11 +190,7 @@ def test_the_returned_cache_has_plain_contiguous_layers_equal_to_upstreams(model
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["reorder-in-place", "reorder-gather"])
 def test_a_growing_layer_does_what_a_dynamic_layer_does(in_place, monkeypatch):
-    if in_place and not cpu_kernels.available():
-        pytest.skip(str(cpu_kernels.unavailable_reason()))
-    decided = []
-    choose = growing_cache._reorder_in_place if in_place else (lambda buffer, indices: False)
-    monkeypatch.setattr(growing_cache, "_reorder_in_place", lambda *a: decided.append(choose(*a)) or decided[-1])
+    decided = harness.force_in_place_reorder(monkeypatch, growing_cache, "_reorder_in_place", in_place)
     generator = torch.Generator().manual_seed(0)
 
     def states(rows: int, length: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
