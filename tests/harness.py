@@ -281,17 +281,17 @@ def record_fallbacks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return reasons
 
 
-def force_in_place_reorder(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, in_place: bool) -> list[bool]:
-    """Make ``module.name`` (a cache's "may fastgen's CPU op reorder these rows in place" check) answer as it
-    does (``in_place``; skipped where the CPU kernels are absent) or always no (the spare-buffer gather);
-    returns the list of its answers, for the test to assert that the path it names ran."""
-    from fastgen.ops import cpu_kernels
+def force_in_place_reorder(monkeypatch: pytest.MonkeyPatch, in_place: bool) -> list[bool]:
+    """Make :func:`fastgen.ops.reorder.possible` (may the caches reorder rows in place) answer as it does
+    (``in_place``; skipped where the CPU kernels are absent) or always no (the spare-buffer gather); returns the
+    list of its answers, for the test to assert that the path it names ran."""
+    from fastgen.ops import cpu_kernels, reorder
 
     if in_place and not cpu_kernels.available():
         pytest.skip(str(cpu_kernels.unavailable_reason()))
     decided: list[bool] = []
-    choose = getattr(module, name) if in_place else (lambda *args: False)
-    monkeypatch.setattr(module, name, lambda *args: decided.append(choose(*args)) or decided[-1])
+    choose = reorder.possible if in_place else (lambda *args: False)
+    monkeypatch.setattr(reorder, "possible", lambda *args: decided.append(choose(*args)) or decided[-1])
     return decided
 
 

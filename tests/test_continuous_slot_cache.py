@@ -13,7 +13,6 @@ import random
 import pytest
 import torch
 
-from fastgen.continuous import cache
 from fastgen.continuous.cache import SLOT_CHUNK, SlotLayer
 from tests import harness
 
@@ -32,7 +31,7 @@ def _check(layer: SlotLayer, rows: list[list[torch.Tensor]], width: int) -> None
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["reorder-in-place", "reorder-gather"])
 def test_slot_layer_matches_a_per_row_reference(in_place, monkeypatch):
-    decided = harness.force_in_place_reorder(monkeypatch, cache, "_in_place", in_place)
+    decided = harness.force_in_place_reorder(monkeypatch, in_place)
     rng = random.Random(0)
     torch.manual_seed(0)
     layer, rows = SlotLayer(), []  # rows: each running row's entries (values are the keys negated)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
+from fastgen.ops import reorder
+
 #: slots added at a time when a row outgrows the buffer
 SLOT_CHUNK = 16
 
@@ -36,7 +38,7 @@ class SlotLayer(DynamicLayer):
 
     Storage is row-major, ``(rows, slots, heads * head_dim)`` (the attention reads a strided
     ``(rows, heads, width, head_dim)`` view of it). A beam reorder or a retirement moves, in place, only
-    the rows whose parent is another row, their slots in use (fastgen's CPU op); elsewhere it copies the
+    the rows whose parent is another row, their slots in use (:mod:`fastgen.ops.reorder`); elsewhere it copies the
     slots in use of every row into a spare buffer with one ``index_select`` and swaps the two.
     Why: the reorder runs every beam step over every row, and rows of a continuous batch are of mixed
     ages, so it is the largest cost of the step outside the model (a head-major buffer copied whole
@@ -125,9 +127,8 @@ class SlotLayer(DynamicLayer):
             self.rows = len(rows)
             return
         count, used = len(rows), self._used
-        if count <= self.rows and _in_place(self._buffers[0], rows):  # only rows whose parent is another row move
-            views = [buffer[: self.rows, :used].unsqueeze(0) for buffer in self._buffers]
-            torch.ops.fastgen_cpu.reorder_rows_(views, 1, rows)
+        if count <= self.rows and reorder.possible(self._buffers[0], rows):  # only rows whose parent is another move
+            reorder.rows_([buffer[: self.rows, :used].unsqueeze(0) for buffer in self._buffers], 1, rows)
             self.rows = count  # (slots past ``used`` of a moved row are its own zeros: ``_clean`` holds)
             return
         for buffer, spare in zip(self._buffers, self._spares, strict=True):
@@ -155,15 +156,6 @@ class SlotLayer(DynamicLayer):
         self._used = max(self._used, length)
         for buffer, states in zip(self._buffers, (keys, values), strict=True):
             buffer[start : self.rows, :length] = states.transpose(1, 2).reshape(count, length, -1)
-
-
-def _in_place(buffer: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Whether fastgen's CPU op can reorder the rows in place (``fastgen_cpu::reorder_rows_``)."""
-    if buffer.device.type != "cpu" or rows.dtype != torch.int64:
-        return False
-    from fastgen.ops import cpu_kernels  # imported here: this module loads before the kernels are wanted
-
-    return cpu_kernels.loaded() and hasattr(torch.ops.fastgen_cpu, "reorder_rows_")
 
 
 def _heads_view(buffer: torch.Tensor, rows: int, width: int, heads: int) -> torch.Tensor:

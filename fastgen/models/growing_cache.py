@@ -3,8 +3,8 @@
 Upstream's ``DynamicLayer`` appends a step's K/V with ``torch.cat``: every step copies the whole cache
 into a new tensor, and beam search's reorder copies it once more. This layer keeps K/V in time-major
 buffers with room to grow (``(capacity, rows, heads, head_dim)``): a step writes only its own position,
-the reorder moves in place only the rows whose parent is another row (fastgen's CPU op; elsewhere it
-gathers the filled prefix into a second buffer, one copy, as upstream's), and ``keys`` /
+the reorder moves in place only the rows whose parent is another row (:mod:`fastgen.ops.reorder`; elsewhere
+it gathers the filled prefix into a second buffer, one copy, as upstream's), and ``keys`` /
 ``values`` are views of the filled prefix in upstream's ``(rows, heads, length, head_dim)`` shape. Attention
 reads the same numbers through other strides; SDPA and fastgen's CPU attention give the same bits
 (``tests/models/test_lean_step.py``).
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from fastgen.ops import reorder
 
 
 class GrowingLayer(DynamicLayer):
@@ -103,8 +105,8 @@ class GrowingLayer(DynamicLayer):
             self._publish()
             return
         keys, values, spare_keys, spare_values = self._buffers
-        if indices.shape[0] == keys.shape[1] and _reorder_in_place(keys, indices):
-            torch.ops.fastgen_cpu.reorder_rows_([keys, values], length, indices)
+        if indices.shape[0] == keys.shape[1] and reorder.possible(keys, indices):
+            reorder.rows_([keys, values], length, indices)  # only rows whose parent is another row move
             return
         if indices.shape[0] != keys.shape[1]:  # fewer rows: new spares of that width
             spare_keys = keys.new_empty(keys.shape[0], indices.shape[0], *keys.shape[2:])
@@ -139,16 +141,6 @@ class GrowingLayer(DynamicLayer):
         layer.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_")})
         layer.keys, layer.values = self.keys.contiguous(), self.values.contiguous()
         return layer
-
-
-def _reorder_in_place(buffer: torch.Tensor, indices: torch.Tensor) -> bool:
-    """Whether fastgen's CPU op can reorder ``buffer``'s rows in place (``fastgen_cpu::reorder_rows_``: only the
-    rows whose parent is another row move; same bytes as the gather into the spare buffer)."""
-    if buffer.device.type != "cpu" or indices.dtype != torch.int64 or not buffer.is_contiguous():
-        return False
-    from fastgen.ops import cpu_kernels  # imported here: this module loads before the kernels are wanted
-
-    return cpu_kernels.loaded() and hasattr(torch.ops.fastgen_cpu, "reorder_rows_")
 
 
 def grow_in_place(cache: DynamicCache) -> None:

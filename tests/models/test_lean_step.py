@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
 import fastgen
-from fastgen.models import growing_cache, lean_step
+from fastgen.models import lean_step
 from fastgen.models.growing_cache import GrowingLayer
 from tests import harness
 
@@ -190,7 +190,7 @@ def test_the_returned_cache_has_plain_contiguous_layers_equal_to_upstreams(model
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["reorder-in-place", "reorder-gather"])
 def test_a_growing_layer_does_what_a_dynamic_layer_does(in_place, monkeypatch):
-    decided = harness.force_in_place_reorder(monkeypatch, growing_cache, "_reorder_in_place", in_place)
+    decided = harness.force_in_place_reorder(monkeypatch, in_place)
     generator = torch.Generator().manual_seed(0)
 
     def states(rows: int, length: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
