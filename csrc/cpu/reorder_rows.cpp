@@ -14,7 +14,6 @@
 // [0, length); parents (count,) int64, count <= rows: row r < count takes the contents of row parents[r]
 // (rows past count are left as they are: a caller that keeps fewer rows drops them).
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -25,9 +24,6 @@
 #include <vector>
 
 namespace {
-
-// bytes a thread's share should move before the positions are split across threads
-constexpr int64_t kMinBytesPerThread = int64_t{1} << 18;
 
 void reorder_rows_(const std::vector<at::Tensor>& buffers, int64_t length, const at::Tensor& parents) {
   TORCH_CHECK(parents.device().is_cpu() && parents.scalar_type() == at::kLong && parents.dim() == 1,
@@ -58,24 +54,22 @@ void reorder_rows_(const std::vector<at::Tensor>& buffers, int64_t length, const
     row_bytes[i] = dense * static_cast<int64_t>(b.element_size());
   }
   if (moves.empty() || length == 0) return;
-  const int64_t items = static_cast<int64_t>(buffers.size()) * length;
+  // One thread: the copy is bound by memory, and an OpenMP team started here late in a serving engine's life
+  // would be a new set of threads after its warm-up (tests/serve/test_soak.py counts them).
   const int64_t max_row_bytes = *std::max_element(row_bytes.begin(), row_bytes.end());
-  const int64_t bytes_per_item = 2 * static_cast<int64_t>(moves.size()) * max_row_bytes;
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, bytes_per_item));
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<char> scratch(static_cast<size_t>(moves.size() * max_row_bytes));
-    for (int64_t i = i0; i < i1; ++i) {
-      const size_t which = static_cast<size_t>(i / length);
-      const at::Tensor& b = buffers[which];
-      const int64_t t = i % length, bytes = row_bytes[which], row_stride = b.stride(1) * b.element_size();
+  std::vector<char> scratch(static_cast<size_t>(moves.size() * max_row_bytes));
+  char* s = scratch.data();
+  for (size_t which = 0; which < buffers.size(); ++which) {
+    const at::Tensor& b = buffers[which];
+    const int64_t bytes = row_bytes[which], row_stride = b.stride(1) * b.element_size();
+    for (int64_t t = 0; t < length; ++t) {
       char* base = static_cast<char*>(b.data_ptr()) + t * b.stride(0) * b.element_size();
-      char* s = scratch.data();
       for (size_t j = 0; j < moves.size(); ++j)
         std::memcpy(s + j * bytes, base + moves[j].second * row_stride, static_cast<size_t>(bytes));
       for (size_t j = 0; j < moves.size(); ++j)
         std::memcpy(base + moves[j].first * row_stride, s + j * bytes, static_cast<size_t>(bytes));
     }
-  });
+  }
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 
 What is asserted: for any parents (identity, cycles, one parent for many rows, rows dropped), on several
 buffers at once and over a prefix shorter than the buffer, the op leaves exactly what ``index_select`` over
-the prefix gives and touches nothing past it; it uses as many threads as it likes without changing a byte;
+the prefix gives and touches nothing past it; any torch thread count gives the same bytes;
 bad parents and buffers are refused with a clear error.
 """
 
