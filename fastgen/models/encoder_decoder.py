@@ -26,11 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from fastgen.models._caches import hypothesis_rows, repeated_rows_cache
 from fastgen.models._families import is_subclass_of_any, unsupported_attention, unsupported_family
-from fastgen.ops import cpu_attention
+from fastgen.ops import cpu_attention, reorder
 from fastgen.ops.attention import group_beam_queries, layout_for_groups, ungroup_beam_output, ungroup_beam_rows
 from fastgen.optimizer.linear_modes import approximate_here
 
@@ -161,11 +161,33 @@ class BeamSharedCrossAttentionCache(EncoderDecoderCache):
         rows = hypothesis_rows(keep, beams)
         self.self_attention_cache.batch_select_indices(rows)
         if group == beams:
-            self.cross_attention_cache.batch_select_indices(keep)
+            if not _keep_leading_rows(self.cross_attention_cache.layers, keep):
+                self.cross_attention_cache.batch_select_indices(keep)
             return
         if group > 1:  # not beam search's grouping: per-hypothesis cross rows first
             self.cross_attention_cache.batch_repeat_interleave(group)
         self.cross_attention_cache.batch_select_indices(rows)
+
+
+def _keep_leading_rows(layers: list[Any], keep: torch.Tensor) -> bool:
+    """Each plain layer's K/V rows ``keep`` (ascending), moved to the front of the same memory and kept as a prefix
+    view (what ``DynamicLayer.batch_select_indices`` computes, without new tensors); False, changing nothing, where a
+    layer is not a filled contiguous CPU ``DynamicLayer`` or fastgen's reorder op is not loaded."""
+    if not all(
+        type(layer) is DynamicLayer
+        and layer.is_initialized
+        and layer.keys.is_contiguous()
+        and layer.values.is_contiguous()
+        and reorder.possible(layer.keys, keep)
+        for layer in layers
+    ):
+        return False
+    kept = keep.shape[0]
+    rows = [tensor.view(1, tensor.shape[0], -1) for layer in layers for tensor in (layer.keys, layer.values)]
+    reorder.rows_(rows, 1, keep)  # one "position", each input's K (or V) one contiguous row
+    for layer in layers:
+        layer.keys, layer.values = layer.keys[:kept], layer.values[:kept]
+    return True
 
 
 def is_plain_dynamic_encoder_decoder_cache(cache: Any) -> bool:

@@ -4,7 +4,8 @@ Upstream's ``DynamicLayer`` appends a step's K/V with ``torch.cat``: every step 
 into a new tensor, and beam search's reorder copies it once more. This layer keeps K/V in time-major
 buffers with room to grow (``(capacity, rows, heads, head_dim)``): a step writes only its own position,
 the reorder moves in place only the rows whose parent is another row (:mod:`fastgen.ops.reorder`; elsewhere
-it gathers the filled prefix into a second buffer, one copy, as upstream's), and ``keys`` /
+it gathers the filled prefix into a second buffer, one copy, as upstream's), rows that leave (finished inputs)
+leave the kept ones at the front of the same buffers (a view of fewer rows: no new buffers), and ``keys`` /
 ``values`` are views of the filled prefix in upstream's ``(rows, heads, length, head_dim)`` shape. Attention
 reads the same numbers through other strides; SDPA and fastgen's CPU attention give the same bits
 (``tests/models/test_lean_step.py``).
@@ -105,8 +106,11 @@ class GrowingLayer(DynamicLayer):
             self._publish()
             return
         keys, values, spare_keys, spare_values = self._buffers
-        if indices.shape[0] == keys.shape[1] and reorder.possible(keys, indices):
+        if indices.shape[0] <= keys.shape[1] and reorder.possible(keys, indices):
             reorder.rows_([keys, values], length, indices)  # only rows whose parent is another row move
+            if indices.shape[0] < keys.shape[1]:  # fewer rows (inputs left): the first ones, in the same memory
+                self._buffers = [buffer[:, : indices.shape[0]] for buffer in self._buffers]
+                self._publish()
             return
         if indices.shape[0] != keys.shape[1]:  # fewer rows: new spares of that width
             spare_keys = keys.new_empty(keys.shape[0], indices.shape[0], *keys.shape[2:])

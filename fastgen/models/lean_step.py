@@ -164,6 +164,7 @@ class LeanDecodeStep:
         self._compiled_noted = False
         self._compiled_tries = 0
         self._static: StaticStep | None = None  # the CUDA-graph step (GPU), made at the first step it can serve
+        self.ran_compiled = False  # whether the last step() ran in the C++ program (a later one of the call)
 
     def finish(self) -> None:
         """Give the caches this step grew upstream's plain layers back (the call is over)."""
@@ -386,15 +387,11 @@ class LeanDecodeStep:
             report.note_ran("lean_step", "decode step: static shapes" + (", CUDA graphs" if ids.is_cuda else ""))
         return self._static
 
-    def step(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, EncoderDecoderCache] | None:
-        """The logits of this step (None: run upstream's forward instead, the inputs being outside the step)."""
-        if self.inputs_problem(model_inputs) is not None:
-            if self.first_step_problem(model_inputs) is None:
-                return self._first_step(model_inputs)
-            return None
+    def _ready(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, EncoderDecoderCache, Any] | None:
+        """What a later step needs before it computes: the masks for its rows, the self-attention cache growing in
+        place, the attention function. Returns (ids, cache, attention) (None: upstream's forward, for the masks)."""
         ids = model_inputs["decoder_input_ids"]
         cache: EncoderDecoderCache = model_inputs.get("cache", model_inputs.get("past_key_values"))
-        cache_length = cache.get_seq_length()
         if self._masks_stale(ids.shape[0], model_inputs.get("attention_mask")):
             # the masks read only the embeddings' shape, dtype and device (upstream's prepare_inputs passes such
             # a stand-in too): no embedding lookup each time inputs leave the batch
@@ -402,21 +399,52 @@ class LeanDecodeStep:
             embeds = torch.empty((ids.shape[0], ids.shape[1], 0), dtype=weight.dtype, device=weight.device)
             if self._masks(embeds, cache, model_inputs) is not None:
                 return None
-        decoder = self.decoder
         self._grow(cache.self_attention_cache)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(decoder.config._attn_implementation, None)
+        return ids, cache, ALL_ATTENTION_FUNCTIONS.get_interface(self.decoder.config._attn_implementation, None)
+
+    def _program_taking(self, ids: torch.Tensor, cache: EncoderDecoderCache, attend: Any) -> CompiledStep | None:
+        """The C++ program where it takes this step (None: the Python step runs it)."""
+        compiled = self._compiled_step(attend, ids.shape[0])
+        layers = cache.self_attention_cache.layers
+        if compiled is None or any(type(layer) is not GrowingLayer for layer in layers):
+            return None
+        crosses = cache.cross_attention_cache.layers
+        return compiled if compiled.takes(ids.shape[0], crosses[0].keys, self._encoder_mask, layers) else None
+
+    def compiled_ready(self, model_inputs: dict[str, Any]) -> bool:
+        """Whether :meth:`step` would run these inputs in the C++ program, with the masks and the program made ready
+        as it makes them: for a caller that then calls the program's step itself (the compiled beam step)."""
+        if self.inputs_problem(model_inputs) is not None:
+            return False
+        ready = self._ready(model_inputs)
+        if ready is None or self._static_step(ready[0]) is not None:
+            return False
+        return self._program_taking(*ready) is not None
+
+    def step(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, EncoderDecoderCache] | None:
+        """The logits of this step (None: run upstream's forward instead, the inputs being outside the step)."""
+        self.ran_compiled = False
+        if self.inputs_problem(model_inputs) is not None:
+            if self.first_step_problem(model_inputs) is None:
+                return self._first_step(model_inputs)
+            return None
+        ready = self._ready(model_inputs)
+        if ready is None:
+            return None
+        ids, cache, attend = ready
+        cache_length = cache.get_seq_length()
         self_cache, cross_cache = cache.self_attention_cache, cache.cross_attention_cache
         static = self._static_step(ids)
         if static is not None and static.takes(ids, self_cache.layers):
             logits = static.step(ids, self_cache.layers, cross_cache.layers, self._encoder_mask, attend)
             if logits is not None:
                 return logits, cache
-        compiled = self._compiled_step(attend, ids.shape[0])
-        if compiled is not None and all(type(layer) is GrowingLayer for layer in self_cache.layers):
-            crosses = cross_cache.layers
-            if compiled.takes(ids.shape[0], crosses[0].keys, self._encoder_mask, self_cache.layers):
-                return compiled.step(ids, self_cache.layers, crosses, self._encoder_mask), cache
-        embeds, hidden = self._embed(ids, cache_length)
+        compiled = self._program_taking(ids, cache, attend)
+        if compiled is not None:
+            self.ran_compiled = True
+            return compiled.step(ids, self_cache.layers, cross_cache.layers, self._encoder_mask), cache
+        decoder = self.decoder
+        _, hidden = self._embed(ids, cache_length)
         if self.family.layernorm_embedding:
             hidden = decoder.layernorm_embedding(hidden)
         input_shape = hidden.shape[:-1]

@@ -213,13 +213,16 @@ def test_a_growing_layer_does_what_a_dynamic_layer_does(in_place, monkeypatch):
     ]
     for method, argument in steps:
         arguments = argument if method == "update" else (argument,)
+        memory = growing.key_buffer.data_ptr()
         getattr(plain, method)(*arguments)
         getattr(growing, method)(*arguments)
         assert torch.equal(growing.keys, plain.keys) and torch.equal(growing.values, plain.values), method
         assert growing.get_seq_length() == plain.get_seq_length()
+        if method == "batch_select_indices":  # in place: the kept rows at the front of the same buffer
+            assert (growing.key_buffer.data_ptr() == memory) is in_place
     final = growing.plain()
     assert type(final) is DynamicLayer and final.keys.is_contiguous() and torch.equal(final.keys, plain.keys)
-    assert decided == [in_place, in_place]  # the two reorders, in place or gathered
+    assert decided == [in_place] * 3  # the two reorders and the rows that left, in place or gathered
 
 
 def test_other_transformers_releases_keep_upstreams_forward(monkeypatch):

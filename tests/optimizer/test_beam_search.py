@@ -332,6 +332,30 @@ def test_input_select_equals_a_row_select_of_upstreams_layout(prefix_rows):
     assert cross.cross_attention_cache.layers[0].keys.shape[0] == 1 and cross.group_size() == beams
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gather"])
+def test_inputs_leaving_keep_the_other_inputs_cross_rows(in_place, monkeypatch):
+    """The kept inputs' cross-attention K/V move to the front of the same memory (a contiguous prefix) where the
+    reorder op is loaded, else upstream's row select: the same tensors either way."""
+    from fastgen.models._caches import hypothesis_rows
+    from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
+
+    decided = harness.force_in_place_reorder(monkeypatch, in_place)
+    torch.manual_seed(0)
+    keep, beams = torch.tensor([0, 2, 3]), 2
+    cache = BeamSharedCrossAttentionCache(DynamicCache(), DynamicCache())
+    for layer in range(2):
+        cache.self_attention_cache.update(torch.randn(8, 2, 3, 8), torch.randn(8, 2, 3, 8), layer)
+        cache.cross_attention_cache.update(torch.randn(4, 2, 5, 8), torch.randn(4, 2, 5, 8), layer)
+    crosses, selves = cache.cross_attention_cache.layers, cache.self_attention_cache.layers
+    expected = [t[keep] for layer in crosses for t in (layer.keys, layer.values)]
+    expected += [t[hypothesis_rows(keep, beams)] for layer in selves for t in (layer.keys, layer.values)]
+    memory = crosses[0].keys.data_ptr()
+    cache.batch_select_inputs(keep, beams)
+    got = [t for layers in (crosses, selves) for layer in layers for t in (layer.keys, layer.values)]
+    assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(got, expected, strict=True))
+    assert (crosses[0].keys.data_ptr() == memory) is in_place and in_place in decided
+
+
 @pytest.mark.parametrize("family", ["bart", "llama"])
 def test_dict_output_without_scores_or_cache_lets_inputs_leave(models, steps, dropped, family):
     """return_dict_in_generate=True: beam_indices come back in input order, upstream's numbering."""

@@ -80,6 +80,7 @@ from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
 from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback, feature_enabled
 from fastgen.optimizer.transformers import ngram as ngram_patches
+from fastgen.optimizer.transformers.compiled_beam import CompiledBeamStep
 from fastgen.optimizer.transformers.contract import CACHE
 
 FEATURE = "beam"
@@ -503,6 +504,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         native = None
     if native is not None:
         report.note_ran(FEATURE, "beam bookkeeping: C++ (fastgen_cpu.beam_update_)")
+        fast_update = (*native, decoder_prompt_len, max_length, float(length_penalty), stopping)
     lean = _lean_step(self, length_limit)
     prefill_consumed = False
     this_peer_finished = False
@@ -512,8 +514,18 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         )
 
     # 4. the loop
+    fast: CompiledBeamStep | None = None  # the batch's later steps as four native calls (compiled_beam)
     while self._has_unfinished_sequences(this_peer_finished, False, device=input_ids.device):
-        if prefill_consumed:
+        whole_step = False
+        if fast is not None and not any(_writes(processor, cur_len) for processor, _ in processors):
+            state = (running_beam_scores, running_beam_indices, sequences, beam_scores, beam_indices)
+            state += (is_sent_finished, is_early_stop_heuristic_unsatisfied)
+            logits = fast.step(running_sequences, cur_len, state, active)
+            whole_step = logits is None
+            if not whole_step:  # the fused candidates refused these logits: the long way from them
+                flat_running_sequences = self._flatten_beam_dim(running_sequences[:, :, :cur_len])
+                model_outputs = _StepOutputs(logits=logits, cache=fast.cache)
+        elif prefill_consumed:
             flat_running_sequences = self._flatten_beam_dim(running_sequences[:, :, :cur_len])
             next_sequence_length = 1 if model_kwargs["use_cache"] else None
             model_inputs = self.prepare_inputs_for_generation(
@@ -524,114 +536,126 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
                 model_outputs = self(**model_inputs, return_dict=True)
             else:
                 model_outputs = _StepOutputs(logits=stepped[0], cache=stepped[1])
-        prefill_consumed = True
-        model_kwargs = self._update_model_kwargs_for_generation(
-            model_outputs, model_kwargs, is_encoder_decoder=self.config.is_encoder_decoder
-        )
+        if not whole_step:
+            prefill_consumed = True
+            model_kwargs = self._update_model_kwargs_for_generation(
+                model_outputs, model_kwargs, is_encoder_decoder=self.config.is_encoder_decoder
+            )
 
-        # b–c. one buffer: log_softmax (float32, as upstream), bans in place, + scores, top-k over M·V
-        logits = model_outputs.logits[:, -1, :].to(dtype=torch.float32, device=input_ids.device)
-        del model_outputs
-        if processors is None:
-            processors = _prepare_processors(logits_processor, logits.shape[-1], logits.device)
-            fused = _approximate_scores(self, all_scores)
-        step = None
-        if fused and not any(_writes(processor, flat_running_sequences.shape[-1]) for processor, _ in processors):
-            step = approximate_top_k(logits, running_beam_scores, beams_to_keep)
-            if step is not None:
-                report.note_ran(FEATURE, "beam scores: log-softmax and top-k fused (approximate mode, C++)")
-        if step is None:
-            log_probs = torch.log_softmax(logits, dim=-1)
-            del logits
-            _apply_processors(processors, flat_running_sequences, log_probs, active)
-            if all_scores is not None:
-                all_scores += (log_probs.clone(),)
-            step = log_probs_top_k(log_probs, running_beam_scores, beams_to_keep)
-        if native is not None:  # steps c-f in one call, in place; upstream's bits (csrc/cpu/beam_update.cpp)
-            eos_ids, limit = native
-            beam_idx, next_token_hits_stopping_criteria = torch.ops.fastgen_cpu.beam_update_(
-                step.scores, step.beams, step.tokens, running_sequences, running_beam_scores, running_beam_indices,
-                sequences, beam_scores, beam_indices, is_sent_finished, is_early_stop_heuristic_unsatisfied,
-                eos_ids, cur_len + 1 >= limit, cur_len, decoder_prompt_len, max_length, float(length_penalty),
-                stopping, active,
-            )  # fmt: skip
-        else:
-            topk_log_probs = step.scores
-            # c–f on the first cur_len + 1 positions only: past them every row of every buffer still holds
-            # its fill value, so upstream's whole-max_length gathers would move nothing else.
-            length, generated = cur_len + 1, cur_len + 1 - decoder_prompt_len
-            batch_offset = active.view(-1, 1) * num_beams  # upstream's batch index, whatever left the batch
-            topk_sequences = torch.cat(
-                (self._gather_beams(running_sequences[:, :, :cur_len], step.beams), step.tokens.unsqueeze(-1)), dim=-1
-            )
-            topk_beam_indices = torch.cat(
-                (
-                    self._gather_beams(running_beam_indices[:, :, : generated - 1], step.beams),
-                    (step.beams + batch_offset).to(running_beam_indices.dtype).unsqueeze(-1),
-                ),
-                dim=-1,
-            )
-            next_token_hits_stopping_criteria = stopping_criteria(self._flatten_beam_dim(topk_sequences), all_scores)
-            next_token_hits_stopping_criteria = self._unflatten_beam_dim(
-                next_token_hits_stopping_criteria, batch_size, beams_to_keep
-            )
-            # e. as _get_running_beams_for_next_iteration
-            topk_running_log_probs = topk_log_probs + next_token_hits_stopping_criteria.to(torch.float32) * -1.0e9
-            next_topk_indices = torch.topk(topk_running_log_probs, k=num_beams)[1]
-            running_sequences[:, :, :length] = self._gather_beams(topk_sequences, next_topk_indices)
-            running_beam_scores = self._gather_beams(topk_running_log_probs, next_topk_indices)
-            running_beam_indices[:, :, :generated] = self._gather_beams(topk_beam_indices, next_topk_indices)
-            # f. as _update_finished_beams, same arithmetic in the same order
-            did_top_num_beams_just_finished = next_token_hits_stopping_criteria & top_num_beam_mask[None, :]
-            candidate_scores = topk_log_probs / (generated**length_penalty)
-            beams_in_batch_are_full = torch.all(is_sent_finished, axis=-1, keepdims=True) & (early_stopping is True)
-            candidate_scores += beams_in_batch_are_full.to(torch.float32) * -1.0e9
-            candidate_scores += (~is_early_stop_heuristic_unsatisfied).to(torch.float32) * -1.0e9
-            candidate_scores += (~did_top_num_beams_just_finished) * -1.0e9
-            merged_scores = torch.cat((beam_scores, candidate_scores), dim=1)
-            topk_merged_indices = torch.topk(merged_scores, k=num_beams)[1]
-            merged_sequences = torch.cat((sequences[:, :, :length], topk_sequences), dim=1)
-            sequences[:, :, :length] = self._gather_beams(merged_sequences, topk_merged_indices)
-            merged_beam_indices = torch.cat((beam_indices[:, :, :generated], topk_beam_indices), dim=1)
-            beam_indices[:, :, :generated] = self._gather_beams(merged_beam_indices, topk_merged_indices)
-            beam_scores = self._gather_beams(merged_scores, topk_merged_indices)
-            merged_is_sent_finished = torch.cat((is_sent_finished, did_top_num_beams_just_finished), dim=1)
-            is_sent_finished = self._gather_beams(merged_is_sent_finished, topk_merged_indices)
-        if any(cache_key in model_kwargs for cache_key in ALL_CACHE_NAMES):
-            cache_key = next(cache_key for cache_key in ALL_CACHE_NAMES if cache_key in model_kwargs)
-            if native is None:
-                beam_idx = running_beam_indices[..., cur_len - decoder_prompt_len]
-                if batch_size < len(final_scores):  # indices carry upstream's batch offsets; the cache is smaller
-                    local = torch.arange(batch_size, device=active.device)
-                    beam_idx = beam_idx - ((active - local) * num_beams).view(-1, 1).to(beam_idx.dtype)
-                beam_idx = self._flatten_beam_dim(beam_idx)
-            if hasattr(self, "_reorder_cache"):
-                model_kwargs[cache_key] = self._reorder_cache(model_kwargs[cache_key], beam_idx)
-            elif hasattr(model_kwargs[cache_key], "reorder_cache"):
-                model_kwargs[cache_key].reorder_cache(beam_idx)
+            # b–c. one buffer: log_softmax (float32, as upstream), bans in place, + scores, top-k over M·V
+            logits = model_outputs.logits[:, -1, :].to(dtype=torch.float32, device=input_ids.device)
+            del model_outputs
+            if processors is None:
+                processors = _prepare_processors(logits_processor, logits.shape[-1], logits.device)
+                fused = _approximate_scores(self, all_scores)
+            step = None
+            if fused and not any(_writes(processor, flat_running_sequences.shape[-1]) for processor, _ in processors):
+                step = approximate_top_k(logits, running_beam_scores, beams_to_keep)
+                if step is not None:
+                    report.note_ran(FEATURE, "beam scores: log-softmax and top-k fused (approximate mode, C++)")
+            step_fused = step is not None
+            if step is None:
+                log_probs = torch.log_softmax(logits, dim=-1)
+                del logits
+                _apply_processors(processors, flat_running_sequences, log_probs, active)
+                if all_scores is not None:
+                    all_scores += (log_probs.clone(),)
+                step = log_probs_top_k(log_probs, running_beam_scores, beams_to_keep)
+            if native is not None:  # steps c-f in one call, in place; upstream's bits (csrc/cpu/beam_update.cpp)
+                eos_ids, limit = native
+                beam_idx, next_token_hits_stopping_criteria = torch.ops.fastgen_cpu.beam_update_(
+                    step.scores, step.beams, step.tokens, running_sequences, running_beam_scores, running_beam_indices,
+                    sequences, beam_scores, beam_indices, is_sent_finished, is_early_stop_heuristic_unsatisfied,
+                    eos_ids, cur_len + 1 >= limit, cur_len, decoder_prompt_len, max_length, float(length_penalty),
+                    stopping, active,
+                )  # fmt: skip
             else:
-                raise ValueError(
-                    f"{self.__class__.__name__} cannot use beam search with a cache currently, as the cache "
-                    "cannot be reordered"
+                topk_log_probs = step.scores
+                # c–f on the first cur_len + 1 positions only: past them every row of every buffer still holds
+                # its fill value, so upstream's whole-max_length gathers would move nothing else.
+                length, generated = cur_len + 1, cur_len + 1 - decoder_prompt_len
+                batch_offset = active.view(-1, 1) * num_beams  # upstream's batch index, whatever left the batch
+                topk_sequences = torch.cat(
+                    (self._gather_beams(running_sequences[:, :, :cur_len], step.beams), step.tokens.unsqueeze(-1)),
+                    dim=-1,
                 )
-        cur_len = cur_len + 1
-        if native is None:  # (the native update ran it already)
-            is_early_stop_heuristic_unsatisfied = self._check_early_stop_heuristic(
-                is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
-                running_beam_scores=running_beam_scores,
-                beam_scores=beam_scores,
-                is_sent_finished=is_sent_finished,
-                cur_len=cur_len,
-                max_length=max_length,
-                decoder_prompt_len=decoder_prompt_len,
-                early_stopping=early_stopping,
-                length_penalty=length_penalty,
-            )
-        if not lazy_stop:  # the outputs show every step: upstream's check, every step
-            this_peer_finished = not self._beam_search_has_unfinished_sequences(
-                is_early_stop_heuristic_unsatisfied, is_sent_finished, next_token_hits_stopping_criteria, early_stopping
-            )
-            continue
+                topk_beam_indices = torch.cat(
+                    (
+                        self._gather_beams(running_beam_indices[:, :, : generated - 1], step.beams),
+                        (step.beams + batch_offset).to(running_beam_indices.dtype).unsqueeze(-1),
+                    ),
+                    dim=-1,
+                )
+                next_token_hits_stopping_criteria = stopping_criteria(
+                    self._flatten_beam_dim(topk_sequences), all_scores
+                )
+                next_token_hits_stopping_criteria = self._unflatten_beam_dim(
+                    next_token_hits_stopping_criteria, batch_size, beams_to_keep
+                )
+                # e. as _get_running_beams_for_next_iteration
+                topk_running_log_probs = topk_log_probs + next_token_hits_stopping_criteria.to(torch.float32) * -1.0e9
+                next_topk_indices = torch.topk(topk_running_log_probs, k=num_beams)[1]
+                running_sequences[:, :, :length] = self._gather_beams(topk_sequences, next_topk_indices)
+                running_beam_scores = self._gather_beams(topk_running_log_probs, next_topk_indices)
+                running_beam_indices[:, :, :generated] = self._gather_beams(topk_beam_indices, next_topk_indices)
+                # f. as _update_finished_beams, same arithmetic in the same order
+                did_top_num_beams_just_finished = next_token_hits_stopping_criteria & top_num_beam_mask[None, :]
+                candidate_scores = topk_log_probs / (generated**length_penalty)
+                beams_in_batch_are_full = torch.all(is_sent_finished, axis=-1, keepdims=True) & (early_stopping is True)
+                candidate_scores += beams_in_batch_are_full.to(torch.float32) * -1.0e9
+                candidate_scores += (~is_early_stop_heuristic_unsatisfied).to(torch.float32) * -1.0e9
+                candidate_scores += (~did_top_num_beams_just_finished) * -1.0e9
+                merged_scores = torch.cat((beam_scores, candidate_scores), dim=1)
+                topk_merged_indices = torch.topk(merged_scores, k=num_beams)[1]
+                merged_sequences = torch.cat((sequences[:, :, :length], topk_sequences), dim=1)
+                sequences[:, :, :length] = self._gather_beams(merged_sequences, topk_merged_indices)
+                merged_beam_indices = torch.cat((beam_indices[:, :, :generated], topk_beam_indices), dim=1)
+                beam_indices[:, :, :generated] = self._gather_beams(merged_beam_indices, topk_merged_indices)
+                beam_scores = self._gather_beams(merged_scores, topk_merged_indices)
+                merged_is_sent_finished = torch.cat((is_sent_finished, did_top_num_beams_just_finished), dim=1)
+                is_sent_finished = self._gather_beams(merged_is_sent_finished, topk_merged_indices)
+            if any(cache_key in model_kwargs for cache_key in ALL_CACHE_NAMES):
+                cache_key = next(cache_key for cache_key in ALL_CACHE_NAMES if cache_key in model_kwargs)
+                if native is None:
+                    beam_idx = running_beam_indices[..., cur_len - decoder_prompt_len]
+                    if batch_size < len(final_scores):  # indices carry upstream's batch offsets; the cache is smaller
+                        local = torch.arange(batch_size, device=active.device)
+                        beam_idx = beam_idx - ((active - local) * num_beams).view(-1, 1).to(beam_idx.dtype)
+                    beam_idx = self._flatten_beam_dim(beam_idx)
+                if hasattr(self, "_reorder_cache"):
+                    model_kwargs[cache_key] = self._reorder_cache(model_kwargs[cache_key], beam_idx)
+                elif hasattr(model_kwargs[cache_key], "reorder_cache"):
+                    model_kwargs[cache_key].reorder_cache(beam_idx)
+                else:
+                    raise ValueError(
+                        f"{self.__class__.__name__} cannot use beam search with a cache currently, as the cache "
+                        "cannot be reordered"
+                    )
+            cur_len = cur_len + 1
+            if native is None:  # (the native update ran it already)
+                is_early_stop_heuristic_unsatisfied = self._check_early_stop_heuristic(
+                    is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
+                    running_beam_scores=running_beam_scores,
+                    beam_scores=beam_scores,
+                    is_sent_finished=is_sent_finished,
+                    cur_len=cur_len,
+                    max_length=max_length,
+                    decoder_prompt_len=decoder_prompt_len,
+                    early_stopping=early_stopping,
+                    length_penalty=length_penalty,
+                )
+            if not lazy_stop:  # the outputs show every step: upstream's check, every step
+                this_peer_finished = not self._beam_search_has_unfinished_sequences(
+                    is_early_stop_heuristic_unsatisfied,
+                    is_sent_finished,
+                    next_token_hits_stopping_criteria,
+                    early_stopping,
+                )
+                continue
+            if fast is None and step_fused and native is not None and lean is not None and lean.ran_compiled:
+                fast = CompiledBeamStep.after(self, lean, model_kwargs, len(beam_idx), beams_to_keep, fast_update)
+        else:
+            cur_len = cur_len + 1
         # Upstream's third stop condition (every candidate hits a criterion) is the length limit: known
         # on the host. Its other two mean every input is done, which the check below sees within k steps.
         this_peer_finished = cur_len >= length_limit
@@ -659,6 +683,17 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
             beam_scores, beam_indices, is_sent_finished = beam_scores[keep], beam_indices[keep], is_sent_finished[keep]
             is_early_stop_heuristic_unsatisfied = is_early_stop_heuristic_unsatisfied[keep]
             active, batch_size = active[keep], len(keep)
+            if fast is not None:  # new rows, masks and cache tensors: the short way again where the lean step says so
+                flat_running_sequences = self._flatten_beam_dim(running_sequences[:, :, :cur_len])
+                model_inputs = self.prepare_inputs_for_generation(
+                    flat_running_sequences,
+                    next_sequence_length=1 if model_kwargs["use_cache"] else None,
+                    **model_kwargs,
+                )
+                fast = None
+                if lean.compiled_ready(model_inputs):
+                    rows = batch_size * num_beams
+                    fast = CompiledBeamStep.after(self, lean, model_kwargs, rows, beams_to_keep, fast_update)
 
     final_sequences[active], final_scores[active], final_indices[active] = sequences, beam_scores, beam_indices
     if lean is not None:
