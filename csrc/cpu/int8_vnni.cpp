@@ -209,14 +209,38 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_end() { _tile_release(); }
 bool amx_permitted() { return false; }
 #endif
 
+#if defined(FASTGEN_VNNI)
+// finish_row without an activation in one pass over the row: the same operations in the same order (the sum's
+// float times the weight's scale, rounded; minus zero * col_sum, fused; times the row's scale, plus the bias,
+// fused), as the compiler emits them for finish_row's two loops, so the same bits, but y is written once. The
+// second pass re-read the whole output: ~3.5% of a small BART's int8 generate call (AMD EPYC, 1 thread, perf).
+void finish_row_plain(const int32_t* acc, float* y, int64_t cols, const float* sw, float s, float z, const float* c,
+                      const float* b) {
+  const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+  int64_t j = 0;
+  for (; j + kPanel <= cols; j += kPanel) {
+    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + j)), _mm512_loadu_ps(sw + j));
+    const __m512 u = _mm512_fnmadd_ps(vz, _mm512_loadu_ps(c + j), t);
+    _mm512_storeu_ps(y + j, b != nullptr ? _mm512_fmadd_ps(u, vs, _mm512_loadu_ps(b + j)) : _mm512_mul_ps(u, vs));
+  }
+  if (j < cols) finish_row<kNone>(acc + j, y + j, cols - j, sw + j, s, z, c + j, b != nullptr ? b + j : nullptr);
+}
+#endif
+
 template <int64_t kAct>
 void finish_rows(const int32_t* acc, int64_t acc_stride, int rows, int64_t m0, float* yp, int64_t n, int64_t n0,
                  int64_t cols, const float* sw, const float* row_scale, const float* row_zero, const float* cs,
                  const float* b) {
   for (int r = 0; r < rows; ++r) {
     const int64_t m = m0 + r;
-    finish_row<kAct>(acc + r * acc_stride, yp + m * n + n0, cols, sw + n0, row_scale[m], row_zero[m], cs + n0,
-                     b != nullptr ? b + n0 : nullptr);
+    const float* bias = b != nullptr ? b + n0 : nullptr;
+#if defined(FASTGEN_VNNI)
+    if constexpr (kAct == kNone) {
+      finish_row_plain(acc + r * acc_stride, yp + m * n + n0, cols, sw + n0, row_scale[m], row_zero[m], cs + n0, bias);
+      continue;
+    }
+#endif
+    finish_row<kAct>(acc + r * acc_stride, yp + m * n + n0, cols, sw + n0, row_scale[m], row_zero[m], cs + n0, bias);
   }
 }
 

@@ -515,8 +515,22 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
 
     # 4. the loop
     fast: CompiledBeamStep | None = None  # the batch's later steps as four native calls (compiled_beam)
+
+    def short_way() -> CompiledBeamStep | None:
+        """The compiled beam step for the next steps where the lean step would run them in its C++ program (asked
+        with the model inputs the next step would get), after the first step and after inputs left the batch."""
+        model_inputs = self.prepare_inputs_for_generation(
+            self._flatten_beam_dim(running_sequences[:, :, :cur_len]),
+            next_sequence_length=1 if model_kwargs["use_cache"] else None,
+            **model_kwargs,
+        )
+        if not lean.compiled_ready(model_inputs):
+            return None
+        return CompiledBeamStep.after(self, lean, model_kwargs, batch_size * num_beams, beams_to_keep, fast_update)
+
     while self._has_unfinished_sequences(this_peer_finished, False, device=input_ids.device):
         whole_step = False
+        first_step = not prefill_consumed
         if fast is not None and not any(_writes(processor, cur_len) for processor, _ in processors):
             state = (running_beam_scores, running_beam_indices, sequences, beam_scores, beam_indices)
             state += (is_sent_finished, is_early_stop_heuristic_unsatisfied)
@@ -652,8 +666,11 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
                     early_stopping,
                 )
                 continue
-            if fast is None and step_fused and native is not None and lean is not None and lean.ran_compiled:
-                fast = CompiledBeamStep.after(self, lean, model_kwargs, len(beam_idx), beams_to_keep, fast_update)
+            if fast is None and step_fused and native is not None and lean is not None:
+                if lean.ran_compiled:
+                    fast = CompiledBeamStep.after(self, lean, model_kwargs, len(beam_idx), beams_to_keep, fast_update)
+                elif first_step:
+                    fast = short_way()
         else:
             cur_len = cur_len + 1
         # Upstream's third stop condition (every candidate hits a criterion) is the length limit: known
@@ -684,16 +701,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
             is_early_stop_heuristic_unsatisfied = is_early_stop_heuristic_unsatisfied[keep]
             active, batch_size = active[keep], len(keep)
             if fast is not None:  # new rows, masks and cache tensors: the short way again where the lean step says so
-                flat_running_sequences = self._flatten_beam_dim(running_sequences[:, :, :cur_len])
-                model_inputs = self.prepare_inputs_for_generation(
-                    flat_running_sequences,
-                    next_sequence_length=1 if model_kwargs["use_cache"] else None,
-                    **model_kwargs,
-                )
-                fast = None
-                if lean.compiled_ready(model_inputs):
-                    rows = batch_size * num_beams
-                    fast = CompiledBeamStep.after(self, lean, model_kwargs, rows, beams_to_keep, fast_update)
+                fast = short_way()
 
     final_sequences[active], final_scores[active], final_indices[active] = sequences, beam_scores, beam_indices
     if lean is not None:
