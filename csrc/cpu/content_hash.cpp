@@ -15,6 +15,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -45,6 +48,30 @@ at::Tensor content_hash(const at::Tensor& t) {
     b[l] = 0x2545f491u + static_cast<uint32_t>(l) * 0xc2b2ae35u;
   }
   const int64_t full = words / kLanes * kLanes;
+#if defined(__AVX512F__)
+  // the same lanes in 16 registers, words loaded straight from the tensor: GCC kept the states and a copy of
+  // each block on the stack (18.9 GB/s on 30 MB, AMD EPYC, one core, where a plain sum reads 45 GB/s)
+  constexpr int kVectors = kLanes / 16;
+  __m512i va[kVectors], vb[kVectors];
+  for (int v = 0; v < kVectors; ++v) {
+    va[v] = _mm512_loadu_si512(a + v * 16);
+    vb[v] = _mm512_loadu_si512(b + v * 16);
+  }
+  const __m512i c1 = _mm512_set1_epi32(static_cast<int>(kC1)), c2 = _mm512_set1_epi32(static_cast<int>(kC2));
+  for (int64_t i = 0; i < full; i += kLanes) {
+    const unsigned char* block = data + i * 4;
+#pragma GCC unroll 8
+    for (int v = 0; v < kVectors; ++v) {
+      const __m512i w = _mm512_loadu_si512(block + v * 64);
+      va[v] = _mm512_mullo_epi32(_mm512_rol_epi32(_mm512_xor_si512(va[v], w), 13), c1);
+      vb[v] = _mm512_mullo_epi32(_mm512_rol_epi32(_mm512_xor_si512(vb[v], w), 19), c2);
+    }
+  }
+  for (int v = 0; v < kVectors; ++v) {
+    _mm512_storeu_si512(a + v * 16, va[v]);
+    _mm512_storeu_si512(b + v * 16, vb[v]);
+  }
+#else
   for (int64_t i = 0; i < full; i += kLanes) {
     uint32_t w[kLanes];
     std::memcpy(w, data + i * 4, sizeof(w));
@@ -54,6 +81,7 @@ at::Tensor content_hash(const at::Tensor& t) {
       b[l] = rotl(b[l] ^ w[l], 19) * kC2;
     }
   }
+#endif
   uint64_t tail = 0x51ed270b27u;
   for (int64_t i = full * 4; i < bytes; ++i) tail = fmix64(tail ^ (static_cast<uint64_t>(data[i]) << ((i % 8) * 8)));
   uint64_t h1 = fmix64(static_cast<uint64_t>(bytes)), h2 = fmix64(static_cast<uint64_t>(bytes) ^ tail);

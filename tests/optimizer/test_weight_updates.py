@@ -139,6 +139,48 @@ def test_fingerprint_sees_edits_that_change_every_element_alike(kernels, monkeyp
     assert fingerprint(torch.zeros(4, 6)) != fingerprint(torch.zeros(6, 4))  # the shape counts
 
 
+def _lane_hash(tensor: torch.Tensor) -> list[int]:
+    """``fastgen_cpu::content_hash`` written out (csrc/cpu/content_hash.cpp): 128 lanes of two states, the tail
+    bytes and the final folds, in Python integers."""
+    mask32, mask64 = 2**32 - 1, 2**64 - 1
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    full = len(data) // 4 // 128 * 128
+
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (32 - r))) & mask32
+
+    def fmix64(k: int) -> int:
+        for multiplier in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):
+            k = ((k ^ (k >> 33)) * multiplier) & mask64
+        return k ^ (k >> 33)
+
+    a = [(0x9747B28C + lane * 0x85EBCA6B) & mask32 for lane in range(128)]
+    b = [(0x2545F491 + lane * 0xC2B2AE35) & mask32 for lane in range(128)]
+    for index in range(full):
+        word, lane = int.from_bytes(data[4 * index : 4 * index + 4], "little"), index % 128
+        a[lane] = (rotl(a[lane] ^ word, 13) * 0xCC9E2D51) & mask32
+        b[lane] = (rotl(b[lane] ^ word, 19) * 0x9E3779B1) & mask32
+    tail = 0x51ED270B27
+    for index in range(full * 4, len(data)):
+        tail = fmix64(tail ^ (data[index] << ((index % 8) * 8)))
+    h1, h2 = fmix64(len(data)), fmix64(len(data) ^ tail)
+    for lane in range(128):
+        h1 = fmix64(h1 ^ ((a[lane] << 32) | b[lane]))
+        h2 = fmix64(h2 ^ ((b[lane] << 32) | a[lane]) ^ tail)
+    return [h - 2**64 if h >= 2**63 else h for h in (h1, h2)]
+
+
+@pytest.mark.parametrize("numel", [1, 127, 128, 129, 1000, 4099])
+def test_the_hash_kernel_computes_its_lanes_formula(numel):
+    """Whatever path the build takes (AVX-512 registers or the plain loop), the digest is the formula's."""
+    if not cpu_kernels.available():
+        pytest.skip(str(cpu_kernels.unavailable_reason()))
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    assert torch.ops.fastgen_cpu.content_hash(tensor).tolist() == _lane_hash(tensor)
+    odd = torch.arange(numel * 4 + 3, dtype=torch.int8)  # a byte tail past the last whole word
+    assert torch.ops.fastgen_cpu.content_hash(odd).tolist() == _lane_hash(odd)
+
+
 def test_derived_weights_rebuild_only_when_the_weight_changes():
     builds = []
     cache = DerivedWeights(lambda module: (builds.append(1) or module.weight.detach().clone(), 8))
