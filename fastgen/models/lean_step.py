@@ -140,6 +140,16 @@ def _project_cross(
     return key, value
 
 
+def _shared_first_rows(ids: torch.Tensor, inputs: int) -> int:
+    """How many consecutive rows of a first step share one input and one token (beam search's hypotheses before
+    they differ): the rows per input where they all do, else 1."""
+    rows = ids.shape[0]
+    if inputs <= 0 or rows % inputs or rows == inputs:
+        return 1
+    grouped = ids.reshape(inputs, rows // inputs)
+    return rows // inputs if bool((grouped == grouped[:, :1]).all()) else 1
+
+
 def _feed_forward(hidden: torch.Tensor, layer: Any, step: tuple) -> torch.Tensor:
     return layer.fc2(layer.activation_fn(layer.fc1(hidden)))
 
@@ -288,16 +298,30 @@ class LeanDecodeStep:
             return None
         for layer in self.decoder.layers:
             _project_cross(cache, layer.encoder_attn, states)
+        crosses = cache.cross_attention_cache.layers
+        group = 1
+        if compiled.rows is None and compiled.takes(ids.shape[0], crosses[0].keys, self._encoder_mask):
+            group = _shared_first_rows(ids, crosses[0].keys.shape[0])  # the program would take every row: one each
         attention = self.decoder.layers[0].self_attn
-        empty = states.new_empty((ids.shape[0], attention.num_heads, 0, attention.head_dim))
+        empty = states.new_empty((ids.shape[0] // group, attention.num_heads, 0, attention.head_dim))
         self_cache = cache.self_attention_cache
         for index in range(len(self.decoder.layers)):
             self_cache.update(empty, empty, index)
         self._grow(self_cache)
-        crosses = cache.cross_attention_cache.layers
-        if not compiled.takes(ids.shape[0], crosses[0].keys, self._encoder_mask, self_cache.layers):
+        if not compiled.takes(ids.shape[0] // group, crosses[0].keys, self._encoder_mask, self_cache.layers):
+            if group > 1:  # the step of every row after all: the cache starts empty at their width
+                for layer in self_cache.layers:
+                    layer.batch_repeat_interleave(group)
             return None
-        return compiled.step(ids, self_cache.layers, crosses, self._encoder_mask)
+        if group == 1:
+            return compiled.step(ids, self_cache.layers, crosses, self._encoder_mask)
+        # one row per input, as CTranslate2's first beam step: each row's ops depend on that row alone (int8's
+        # per-row codes and exact integer sums, row-wise norms, one attention query row per input), so the copies
+        # are the bits every hypothesis would compute (tests/models/test_compiled_step.py compares them)
+        logits = compiled.step(ids[::group], self_cache.layers, crosses, self._encoder_mask)
+        for layer in self_cache.layers:
+            layer.batch_repeat_interleave(group)
+        return logits.repeat_interleave(group, dim=0)
 
     def _embed(self, ids: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the token embeddings, embeddings + positions), as the family's decoder computes them."""

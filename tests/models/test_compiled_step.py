@@ -185,7 +185,8 @@ def _python_reason(report) -> str:
 
 def test_a_later_call_runs_its_first_step_in_the_program(mode, monkeypatch):
     """The first call's first step runs in Python (its linears choose their ops there); a later call of the same
-    model finds them chosen and runs its first step in the program too: the same bits as the Python step."""
+    model finds them chosen and runs its first step in the program too: the same bits as the Python step (in the
+    int8 mode on one row per input, each input's hypotheses being copies of one row then)."""
     model = _model("bart")
     inputs = harness.tiny_inputs(model, batch=3, length=10)
     settings = dict(num_beams=4, max_new_tokens=6)
@@ -198,10 +199,15 @@ def test_a_later_call_runs_its_first_step_in_the_program(mode, monkeypatch):
         first_steps.append(logits is not None)
         return logits
 
+    shared = []
+    rows_of = lean_step._shared_first_rows
+    monkeypatch.setattr(lean_step, "_shared_first_rows", lambda *args: shared.append(rows_of(*args)) or shared[-1])
     monkeypatch.setattr(lean_step.LeanDecodeStep, "_compiled_first_step", spy)
     compiled, report = _generate(model, inputs, True, monkeypatch, features=mode, **settings)
     assert COMPILED in report.ran.get("lean_step", []) and first_steps == [True]
     _assert_identical(compiled, python)
+    # int8's program serves any row count: its first step ran one row per input (the 4 beams' copies after it)
+    assert shared == ([4] if "int8" in mode else [])
 
 
 def test_int8_weights_on_fbgemm_keep_the_python_step(monkeypatch):
