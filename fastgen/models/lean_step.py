@@ -336,6 +336,22 @@ class LeanDecodeStep:
             positions = decoder.embed_positions(tuple(embeds.shape[:-1]), cache_length, position_ids=position_ids)
         return embeds, embeds + positions
 
+    def keep_inputs(self, keep: torch.Tensor, inputs: int, attention_mask: Any, rows: int) -> None:
+        """Inputs left the batch (``keep``: the others of the ``inputs``, ascending; ``attention_mask``: theirs;
+        ``rows``: the rows now):
+        the encoder mask's kept rows are what ``create_bidirectional_mask`` makes of the kept inputs' attention mask
+        (it builds each input's row from that input's mask alone), where padding remains; without padding it gives
+        None, which the next step asks it for."""
+        mask, seen = self._encoder_mask, self._encoder_mask_for
+        if seen is None or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+            return
+        if not isinstance(attention_mask, torch.Tensor) or mask.shape[0] != inputs:  # one mask row per input
+            return
+        kept = mask.index_select(0, keep.to(mask.device))
+        if bool(kept.all()):
+            return
+        self._encoder_mask, self._encoder_mask_for = kept, (attention_mask, rows)
+
     def _masks_stale(self, rows: int, encoder_mask: Any) -> bool:
         """Whether :meth:`_masks` has work: the call's first step, a new encoder mask or fewer rows."""
         seen = self._encoder_mask_for

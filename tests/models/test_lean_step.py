@@ -285,3 +285,41 @@ def test_the_steps_allocate_the_same_tensors_whatever_the_length(lean, num_beams
         assert not grown or len(set(grown)) <= 2  # the room doubled at most once past the first 32 positions
     else:
         assert any(sorted(made) != sorted(decode[0]) for made in decode)  # upstream's cat: a longer cache each step
+
+
+@pytest.mark.parametrize("features", [(), ("int8",)], ids=["exact", "int8"])
+def test_inputs_leaving_keep_their_encoder_mask_rows(features, monkeypatch):
+    """When inputs leave, the lean step keeps the kept inputs' rows of its encoder mask (what
+    ``create_bidirectional_mask`` builds from their attention mask, compared here) instead of building it again;
+    the tokens equal those of a run that builds it again, and upstream's (exact)."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    model = harness.non_degenerate(harness.tiny_hf_model("bart"))
+    inputs = harness.tiny_inputs(model, batch=4, length=10)  # rows shorter by 0, 2, 4, 6 tokens: padding stays
+    kwargs = dict(num_beams=3, max_new_tokens=16, eos_token_id=list(range(3, 30)), early_stopping=True)
+    kept_masks = []
+    keep_inputs = lean_step.LeanDecodeStep.keep_inputs
+
+    def checked(self, keep, inputs_before, attention_mask, rows):
+        keep_inputs(self, keep, inputs_before, attention_mask, rows)
+        if self._encoder_mask_for is not None and self._encoder_mask_for[0] is attention_mask:
+            rebuilt = create_bidirectional_mask(
+                config=self.decoder.config,
+                inputs_embeds=torch.empty(rows, 1, 0),
+                attention_mask=attention_mask,
+                encoder_hidden_states=torch.zeros(len(keep), attention_mask.shape[1], 1),
+            )
+            kept_masks.append(torch.equal(self._encoder_mask, rebuilt))
+
+    features = [*sorted(set(fastgen.known_features()) - fastgen.optimizer.registry.OPT_IN_FEATURES), *features]
+    results = []
+    for shortcut in (False, True):
+        monkeypatch.setattr(lean_step.LeanDecodeStep, "keep_inputs", checked if shortcut else lambda *args: None)
+        with fastgen.patched(features), fastgen.report() as report, torch.no_grad():
+            results.append(model.generate(**inputs, **kwargs))
+    assert "finished inputs left the batch" in report.ran.get("beam", [])
+    assert kept_masks and all(kept_masks)
+    assert torch.equal(results[0], results[1])
+    if "int8" not in features:
+        with fastgen.unpatched(), torch.no_grad():
+            assert torch.equal(model.generate(**inputs, **kwargs), results[1])

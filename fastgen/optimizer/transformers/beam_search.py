@@ -700,6 +700,8 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
             beam_scores, beam_indices, is_sent_finished = beam_scores[keep], beam_indices[keep], is_sent_finished[keep]
             is_early_stop_heuristic_unsatisfied = is_early_stop_heuristic_unsatisfied[keep]
             active, batch_size = active[keep], len(keep)
+            if lean is not None:
+                lean.keep_inputs(keep, len(done), model_kwargs.get("attention_mask"), batch_size * num_beams)
             if fast is not None:  # new rows, masks and cache tensors: the short way again where the lean step says so
                 fast = short_way()
 
