@@ -25,11 +25,11 @@ step ran and why. ``FASTGEN_COMPILED_STEP=0`` turns it off.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from fastgen import _env
 from fastgen.models.hooks import hooked
 from fastgen.ops import cpu_attention
 
@@ -38,13 +38,12 @@ ENV = "FASTGEN_COMPILED_STEP"
 _ATEN_LINEAR, _ORDERED, _PACKED = 0, 3, 4
 _INT8_KINDS = {"amx": 1, "vnni": 2, "onednn": 5}  # fastgen's own int8 ops; oneDNN's between fastgen's row passes
 _ATTENTION_SDPA, _ATTENTION_KERNEL = 0, 1
-_OFF = ("0", "false", "off", "no")
 NOT_CHOSEN = "an int8 weight before its first product"
 NOT_SETTLED = "an exact linear whose calibration is not settled"
 
 
 def switched_off() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() in _OFF
+    return _env.switched_off(ENV)
 
 
 def _class() -> Any:

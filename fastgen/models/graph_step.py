@@ -24,12 +24,12 @@ eagerly for the rest of the call, noted once in the report.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import torch
 
+from fastgen import _env
 from fastgen.models.growing_cache import GrowingLayer
 from fastgen.optimizer import report
 
@@ -46,7 +46,7 @@ MIN_CAPACITY = 64
 
 def graphs_switched_off() -> bool:
     """``FASTGEN_CUDA_GRAPHS=0`` (or false/off/no): the lean step runs eagerly on a GPU too."""
-    return os.environ.get(GRAPHS_ENV, "1").strip().lower() in {"0", "false", "off", "no"}
+    return _env.switched_off(GRAPHS_ENV)
 
 
 class _Captured:

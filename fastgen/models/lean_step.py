@@ -338,10 +338,9 @@ class LeanDecodeStep:
 
     def keep_inputs(self, keep: torch.Tensor, inputs: int, attention_mask: Any, rows: int) -> None:
         """Inputs left the batch (``keep``: the others of the ``inputs``, ascending; ``attention_mask``: theirs;
-        ``rows``: the rows now):
-        the encoder mask's kept rows are what ``create_bidirectional_mask`` makes of the kept inputs' attention mask
-        (it builds each input's row from that input's mask alone), where padding remains; without padding it gives
-        None, which the next step asks it for."""
+        ``rows``: the rows now). The encoder mask's kept rows are what ``create_bidirectional_mask`` makes of the kept
+        inputs' attention mask (it builds each input's row from that input's mask alone), where padding remains;
+        without padding it gives None, which the next step asks it for."""
         mask, seen = self._encoder_mask, self._encoder_mask_for
         if seen is None or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
             return

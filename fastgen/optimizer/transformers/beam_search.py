@@ -72,6 +72,7 @@ from transformers.generation.utils import (
     GenerateBeamEncoderDecoderOutput,
 )
 
+from fastgen import _env
 from fastgen.models._caches import hypothesis_rows
 from fastgen.models.growing_cache import GrowingLayer
 from fastgen.ops import cpu_kernels
@@ -80,7 +81,7 @@ from fastgen.ops.ngram import ban_encoder_ngrams, ban_repeated_ngrams
 from fastgen.optimizer import report
 from fastgen.optimizer.registry import fallback, feature_enabled
 from fastgen.optimizer.transformers import ngram as ngram_patches
-from fastgen.optimizer.transformers.compiled_beam import CompiledBeamStep
+from fastgen.optimizer.transformers.compiled_beam import CompiledBeamStep, beam_update
 from fastgen.optimizer.transformers.contract import CACHE
 
 FEATURE = "beam"
@@ -330,7 +331,7 @@ LEAN_ENV = "FASTGEN_LEAN_STEP"
 
 def lean_step_switched_off() -> bool:
     """``FASTGEN_LEAN_STEP=0`` (or false/off/no): every decode step runs the model's own forward."""
-    return os.environ.get(LEAN_ENV, "1").strip().lower() in {"0", "false", "off", "no"}
+    return _env.switched_off(LEAN_ENV)
 
 
 NATIVE_ENV = "FASTGEN_NATIVE_BEAM"
@@ -341,7 +342,7 @@ def _native_update(stopping_criteria: Any, device: torch.device) -> tuple[torch.
     (upstream's bits, one call instead of ~40 small ops), else None: on a GPU, without fastgen's CPU kernels
     (never built for this), with ``FASTGEN_NATIVE_BEAM=0``, or where a length criterion could warn about the
     model's position limit (upstream's criteria then run as written)."""
-    if device.type != "cpu" or os.environ.get(NATIVE_ENV, "1").strip().lower() in {"0", "false", "off", "no"}:
+    if device.type != "cpu" or _env.switched_off(NATIVE_ENV):
         return None
     if not cpu_kernels.available(build=False) or not hasattr(torch.ops.fastgen_cpu, "beam_update_"):
         return None
@@ -504,7 +505,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         native = None
     if native is not None:
         report.note_ran(FEATURE, "beam bookkeeping: C++ (fastgen_cpu.beam_update_)")
-        fast_update = (*native, decoder_prompt_len, max_length, float(length_penalty), stopping)
+        native_settings = (*native, decoder_prompt_len, max_length, float(length_penalty), stopping)
     lean = _lean_step(self, length_limit)
     prefill_consumed = False
     this_peer_finished = False
@@ -516,6 +517,11 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
     # 4. the loop
     fast: CompiledBeamStep | None = None  # the batch's later steps as four native calls (compiled_beam)
 
+    def beam_state() -> tuple[torch.Tensor, ...]:
+        """The tensors ``beam_update_`` updates in place after the running sequences (compiled_beam.beam_update)."""
+        running = (running_beam_scores, running_beam_indices, sequences, beam_scores, beam_indices)
+        return (*running, is_sent_finished, is_early_stop_heuristic_unsatisfied)
+
     def short_way() -> CompiledBeamStep | None:
         """The compiled beam step for the next steps where the lean step would run them in its C++ program (asked
         with the model inputs the next step would get), after the first step and after inputs left the batch."""
@@ -526,15 +532,13 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
         )
         if not lean.compiled_ready(model_inputs):
             return None
-        return CompiledBeamStep.after(self, lean, model_kwargs, batch_size * num_beams, beams_to_keep, fast_update)
+        return CompiledBeamStep.after(self, lean, model_kwargs, batch_size * num_beams, beams_to_keep, native_settings)
 
     while self._has_unfinished_sequences(this_peer_finished, False, device=input_ids.device):
         whole_step = False
         first_step = not prefill_consumed
         if fast is not None and not any(_writes(processor, cur_len) for processor, _ in processors):
-            state = (running_beam_scores, running_beam_indices, sequences, beam_scores, beam_indices)
-            state += (is_sent_finished, is_early_stop_heuristic_unsatisfied)
-            logits = fast.step(running_sequences, cur_len, state, active)
+            logits = fast.step(running_sequences, cur_len, beam_state(), active)
             whole_step = logits is None
             if not whole_step:  # the fused candidates refused these logits: the long way from them
                 flat_running_sequences = self._flatten_beam_dim(running_sequences[:, :, :cur_len])
@@ -576,13 +580,9 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
                     all_scores += (log_probs.clone(),)
                 step = log_probs_top_k(log_probs, running_beam_scores, beams_to_keep)
             if native is not None:  # steps c-f in one call, in place; upstream's bits (csrc/cpu/beam_update.cpp)
-                eos_ids, limit = native
-                beam_idx, next_token_hits_stopping_criteria = torch.ops.fastgen_cpu.beam_update_(
-                    step.scores, step.beams, step.tokens, running_sequences, running_beam_scores, running_beam_indices,
-                    sequences, beam_scores, beam_indices, is_sent_finished, is_early_stop_heuristic_unsatisfied,
-                    eos_ids, cur_len + 1 >= limit, cur_len, decoder_prompt_len, max_length, float(length_penalty),
-                    stopping, active,
-                )  # fmt: skip
+                beam_idx, next_token_hits_stopping_criteria = beam_update(
+                    native_settings, step, running_sequences, beam_state(), cur_len, active
+                )
             else:
                 topk_log_probs = step.scores
                 # c–f on the first cur_len + 1 positions only: past them every row of every buffer still holds
@@ -668,7 +668,9 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
                 continue
             if fast is None and step_fused and native is not None and lean is not None:
                 if lean.ran_compiled:
-                    fast = CompiledBeamStep.after(self, lean, model_kwargs, len(beam_idx), beams_to_keep, fast_update)
+                    fast = CompiledBeamStep.after(
+                        self, lean, model_kwargs, len(beam_idx), beams_to_keep, native_settings
+                    )
                 elif first_step:
                     fast = short_way()
         else:

@@ -23,11 +23,11 @@ A step whose logits the fused candidates refuse (a NaN) is handed back to the lo
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from fastgen import _env
 from fastgen.models.encoder_decoder import BeamSharedCrossAttentionCache
 from fastgen.models.growing_cache import GrowingLayer
 from fastgen.ops import reorder
@@ -36,6 +36,20 @@ ENV = "FASTGEN_COMPILED_BEAM"
 
 #: model inputs ``_update_model_kwargs_for_generation`` extends each step (the short way would not)
 PER_STEP_INPUTS = frozenset({"token_type_ids", "mm_token_type_ids", "decoder_position_ids", "decoder_attention_mask"})
+
+
+def beam_update(
+    update: tuple, candidates: tuple, running_sequences: torch.Tensor, state: tuple, cur_len: int, active: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fastgen_cpu::beam_update_`` (steps c-f, in place) on the loop's tensors: ``update`` the call's settings (end of
+    sequence ids, length limit, prompt length, max length, length penalty, early-stopping code), ``candidates`` the
+    step's (scores, beams, tokens), ``state`` the running scores and indices, the finished sequences, scores and
+    indices, the finished flags and the early-stop flags. Returns the cache's reorder rows and the stop hits."""
+    eos, limit, prompt_len, max_length, length_penalty, stopping = update
+    return torch.ops.fastgen_cpu.beam_update_(
+        *candidates, running_sequences, *state, eos, cur_len + 1 >= limit, cur_len, prompt_len, max_length,
+        length_penalty, stopping, active,
+    )  # fmt: skip
 
 
 class CompiledBeamStep:
@@ -60,7 +74,7 @@ class CompiledBeamStep:
         """The short way for a batch of ``rows`` rows whose next step the lean step would run in its C++ program
         (the caller saw it run the last one, or asked :meth:`~fastgen.models.lean_step.LeanDecodeStep.compiled_ready`),
         with the fused candidates and the native bookkeeping (the caller knows); None where anything differs."""
-        if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        if _env.switched_off(ENV):
             return None
         compiled = lean._compiled
         if compiled is None or compiled.program is None or not compiled.approximate or compiled.retry:
@@ -107,10 +121,6 @@ class CompiledBeamStep:
         )
         if not bool(ok):
             return logits
-        eos, limit, prompt_len, max_length, length_penalty, stopping = self.update
-        beam_idx, _ = torch.ops.fastgen_cpu.beam_update_(
-            scores, beams, tokens, running_sequences, *state, eos, cur_len + 1 >= limit, cur_len, prompt_len,
-            max_length, length_penalty, stopping, active,
-        )  # fmt: skip
+        beam_idx, _ = beam_update(self.update, (scores, beams, tokens), running_sequences, state, cur_len, active)
         torch.ops.fastgen_cpu.reorder_rows_(keys + values, length + 1, beam_idx)
         return None
