@@ -8,11 +8,14 @@ apart (cold: allocator growth, graph capture), then the variants alternate for `
 Reported: medians, ratios to upstream, peak memory, whether rows are token-identical to upstream, and the
 captures the graph variant made (``--dtype fp32`` at a small shape is the exactness check on a GPU).
 On ``--device cpu`` (a smoke test of the harness) the graph variant runs the eager step: graphs need CUDA.
+``--no-cudnn-attention`` runs every variant without SDPA's cuDNN backend (which builds a plan per new shape: a
+suspect for the cost of a first call).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -31,22 +34,33 @@ RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("upstream", "fastgen-eager", "fastgen-graphs")
 
 
-def _runner(call: Any, device: str) -> Any:
+def _attention_backends(no_cudnn: bool) -> Any:
+    """Every variant's SDPA backends: torch's default order, or without cuDNN's (whose plans are built per shape)."""
+    if not no_cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _runner(call: Any, device: str, no_cudnn: bool = False) -> Any:
     def run(variant: str) -> tuple[Any, float, int, list[str]]:
         os.environ[GRAPHS_ENV] = "1" if variant == "fastgen-graphs" else "0"
         scope = fastgen.unpatched() if variant == "upstream" else fastgen.patched()
-        with scope, fastgen.report() as report, torch.inference_mode():
+        with scope, _attention_backends(no_cudnn), fastgen.report() as report, torch.inference_mode():
             out, seconds, peak = timed(call, device)
         return out, seconds, peak, [note for notes in report.ran.values() for note in notes if "decode step" in note]
 
     return run
 
 
-def measure(scenario_name: str, device: str, dtype: str, rounds: int, overrides: dict[str, Any]) -> dict[str, Any]:
+def measure(
+    scenario_name: str, device: str, dtype: str, rounds: int, overrides: dict[str, Any], no_cudnn: bool = False
+) -> dict[str, Any]:
     scenario = SCENARIOS[scenario_name]
     settings = scenario.settings(device) | {k: v for k, v in overrides.items() if v is not None}
     call = scenario.prepare(device, DTYPES[dtype], settings)
-    run = _runner(call, device)
+    run = _runner(call, device, no_cudnn)
     cold, outputs, notes = {}, {}, {}
     for variant in VARIANTS:
         outputs[variant], cold[variant], _, notes[variant] = run(variant)
@@ -60,6 +74,7 @@ def measure(scenario_name: str, device: str, dtype: str, rounds: int, overrides:
     batch, new_tokens = settings["batch"], settings["new_tokens"]
     settings = settings | {"generate": scenario.generate}
     result: dict[str, Any] = {"scenario": scenario_name, "dtype": dtype, "settings": settings, "rounds": rounds}
+    result["attention_backends"] = "flash, efficient, math (no cuDNN)" if no_cudnn else "torch's default"
     base = statistics.median(warm["upstream"])
     for variant in VARIANTS:
         median = statistics.median(warm[variant])
@@ -89,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--input-len", type=int)
     parser.add_argument("--new-tokens", type=int)
+    parser.add_argument("--no-cudnn-attention", action="store_true", help="SDPA without cuDNN, all variants")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -96,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     overrides = {"batch": args.batch, "input_len": args.input_len, "new_tokens": args.new_tokens}
     result = result_header("graph_step", argv) | {"environment": environment(args.device)}
-    result |= measure(args.scenario, args.device, args.dtype, args.rounds, overrides)
+    result |= measure(args.scenario, args.device, args.dtype, args.rounds, overrides, args.no_cudnn_attention)
     for variant in VARIANTS:
         row = result[variant]
         print(
@@ -106,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['lean_step_notes']}"
         )
     print(f"graphs over eager: {result['graphs_over_eager']:.2f}x")
-    name = f"graph_step-{args.scenario}-b{result['settings']['batch']}-{args.device}-{args.dtype}.json"
+    suffix = "-no-cudnn" if args.no_cudnn_attention else ""
+    name = f"graph_step-{args.scenario}-b{result['settings']['batch']}-{args.device}-{args.dtype}{suffix}.json"
     write_result(args.out / name, result)
     return 0
 

@@ -6,6 +6,8 @@
 #   bash scripts/gpu_session.sh 2 260   # part 2: max batch, bart-large fp32, op benchmarks, more scenarios
 #   bash scripts/gpu_session.sh 3 255   # part 3: fixes from parts 1-2 checked, warm vs cold continuous batching
 #   bash scripts/gpu_session.sh 4 390   # part 4: the CUDA-graph decode step (tests, fp32, bart-large fp16, max batch)
+#   bash scripts/gpu_session.sh 8 480   # part 8: decoder-only graphs (gpt2, llama), cold start without cuDNN, fairseq
+#   (.whl for part 8 also carries ve-fairseq 0.12.3 and its missing needs: hydra-core, omegaconf, antlr4, bitarray)
 # What comes back: $OUT/part<N>.log and $OUT/results-part<N>.tar.gz (JSON results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +72,20 @@ elif [ "$part" = 4 ]; then  # the CUDA-graph decode step: its tests, fp32 tokens
     --granularity 16 --rounds 1 --out "$results/max_batch-bart-large-fp16-8gib-graphs-cuda.json"
   step 50 graph-profile python3 -m benchmarks.step_profile --scenario bart-large --device cuda \
     --dtype fp16 --new-tokens 32 --repeats 1 --out "$results"
+elif [ "$part" = 8 ]; then  # decoder-only static step under graphs; cold start without cuDNN attention; fairseq
+  export FASTGEN_JIT=0
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  step 90 graph-tests python3 -m pytest -q -p no:cacheprovider --timeout 60 -rfE -m gpu \
+    tests/models/test_decoder_graph_step.py tests/models/test_graph_step.py
+  step 100 gpt2-fp16 python3 -m benchmarks.graph_step --scenario gpt2 --dtype fp16 --rounds 2 --out "$results"
+  step 110 llama-fp16 python3 -m benchmarks.graph_step --scenario llama --dtype fp16 --rounds 2 --out "$results"
+  step 110 bart-large-no-cudnn python3 -m benchmarks.graph_step --scenario bart-large --dtype fp16 --rounds 2 \
+    --no-cudnn-attention --out "$results"
+  step 45 gpt2-fp32 python3 -m benchmarks.graph_step --scenario gpt2 --dtype fp32 --batch 4 --input-len 128 \
+    --new-tokens 32 --rounds 1 --out "$results"
+  step 60 fairseq-fp16 python3 -m benchmarks.run --scenario fairseq-transformer --device cuda --dtype fp16 \
+    --rounds 2 --out "$results"
 elif [ "$part" = 3 ]; then  # after the first two: fixes checked, warm vs cold, the common call's memory
   export FASTGEN_JIT=0  # no extension build (40 s of a short lease): n-gram blocking runs its Triton kernel
   step 45 gpu-generation-tests python3 -m pytest -q -p no:cacheprovider --timeout 40 -rfE tests/test_gpu_generation.py

@@ -230,7 +230,9 @@ def _is_plain_dynamic(cache: Any) -> bool:
     """Upstream's default caches, whose rows are exactly the B·M hypotheses (fastgen's dedup caches are not)."""
     if type(cache) is EncoderDecoderCache:
         return _is_plain_dynamic(cache.self_attention_cache) and _is_plain_dynamic(cache.cross_attention_cache)
-    return type(cache) is DynamicCache and all(type(layer) in _PLAIN_LAYERS for layer in cache.layers)
+    return type(cache) is DynamicCache and all(
+        type(layer) in _PLAIN_LAYERS or getattr(layer, "rows_are_hypotheses", False) for layer in cache.layers
+    )
 
 
 #: upstream's dynamic layers whose only per-row state is K/V (a sliding window's length is per cache)
@@ -380,15 +382,19 @@ class _StepOutputs(dict):
 
 
 def _lean_step(model: Any, length_limit: int) -> Any:
-    """The lean decode step (:class:`fastgen.models.lean_step.LeanDecodeStep`) for this call's model, or
-    None where upstream's forward runs every step (``FASTGEN_LEAN_STEP=0``, or a model it does not
-    reproduce: noted in the report)."""
+    """The lean decode step (:class:`fastgen.models.lean_step.LeanDecodeStep`; for a decoder-only model on a GPU
+    :class:`fastgen.models.decoder_graph_step.DecoderGraphStep`) for this call's model, or None where upstream's
+    forward runs every step (``FASTGEN_LEAN_STEP=0``, or a model it does not reproduce: noted in the report)."""
     # Imported here: at this module's import it would import transformers.modeling_utils, whose import
     # hooks load other features' factories that import this (then partial) module.
     from fastgen.models import lean_step
 
     if lean_step_switched_off():
         return None
+    if not model.config.is_encoder_decoder:  # a decoder-only model: its own forward on static buffers, on a GPU
+        from fastgen.models import decoder_graph_step
+
+        return decoder_graph_step.decode_step(model, length_limit)
     reason = lean_step.model_problem(model)
     if reason is not None:
         report.note_ran(FEATURE, f"decode step: upstream's forward ({reason})")

@@ -29,13 +29,20 @@ FEATURE = "lean_step"
 
 def _problem(model: Any, generation_config: Any, model_kwargs: dict[str, Any], synced_gpus: bool) -> str | None:
     """Why this ``_sample`` call keeps the model's own forward at every step (None: the lean step can serve)."""
-    from fastgen.models import lean_step  # imports transformers.modeling_utils: not at this module's import
+    # imported here: they import transformers.modeling_utils, not at this module's import
+    from fastgen.models import decoder_graph_step, lean_step
 
     if lean_step_switched_off():
         return f"{LEAN_ENV}=0"
-    reason = lean_step.model_problem(model)
-    if reason is not None:
-        return reason
+    if not model.config.is_encoder_decoder:
+        reason = None if getattr(model, "device", None) is not None and model.device.type == "cuda" else "on a CPU"
+        reason = reason or decoder_graph_step.model_problem(model)
+        if reason is not None and not decoder_graph_step.STATIC_ON_CPU:
+            return f"decoder-only, {reason} (the static step serves decoder-only models on a GPU)"
+    else:
+        reason = lean_step.model_problem(model)
+        if reason is not None:
+            return reason
     if synced_gpus:
         return "synced_gpus"
     if getattr(model, "device", None) is None or model.device.type not in ("cpu", "cuda"):
@@ -92,10 +99,16 @@ def make_sample(original: Callable[..., Any]) -> Callable[..., Any]:
         if reason is not None:
             report.note_ran(FEATURE, f"decode step: upstream's forward ({reason})")
             return run()
-        from fastgen.models import lean_step
+        from fastgen.models import decoder_graph_step, lean_step
 
-        report.note_ran(FEATURE, "decode step: the lean BART-family step")
-        with _forward_through(self, lean_step.LeanDecodeStep(self, generation_config.max_length)):
+        if self.config.is_encoder_decoder:
+            report.note_ran(FEATURE, "decode step: the lean BART-family step")
+            step = lean_step.LeanDecodeStep(self, generation_config.max_length)
+        else:
+            step = decoder_graph_step.decode_step(self, generation_config.max_length)
+            if step is None:
+                return run()
+        with _forward_through(self, step):
             return run()
 
     return _sample
