@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh 3 255   # part 3: fixes from parts 1-2 checked, warm vs cold continuous batching
 #   bash scripts/gpu_session.sh 4 390   # part 4: the CUDA-graph decode step (tests, fp32, bart-large fp16, max batch)
 #   bash scripts/gpu_session.sh 8 480   # part 8: decoder-only graphs (gpt2, llama), cold start without cuDNN, fairseq
+#   bash scripts/gpu_session.sh 9 330   # part 9: part 8's findings (no cuDNN in captures, stacked reorder), host profile
 #   (.whl for part 8 also carries ve-fairseq 0.12.3 and its missing needs: hydra-core, omegaconf, antlr4, bitarray)
 # What comes back: $OUT/part<N>.log and $OUT/results-part<N>.tar.gz (JSON results).
 set -uo pipefail
@@ -86,6 +87,16 @@ elif [ "$part" = 8 ]; then  # decoder-only static step under graphs; cold start 
     --new-tokens 32 --rounds 1 --out "$results"
   step 60 fairseq-fp16 python3 -m benchmarks.run --scenario fairseq-transformer --device cuda --dtype fp16 \
     --rounds 2 --out "$results"
+elif [ "$part" = 9 ]; then  # after part 8: captures without cuDNN attention, the stacked reorder; where gpt2's host time goes
+  export FASTGEN_JIT=0
+  step 60 graph-tests python3 -m pytest -q -p no:cacheprovider --timeout 60 -rfE -m gpu \
+    tests/models/test_decoder_graph_step.py tests/models/test_graph_step.py
+  step 80 gpt2-fp16 python3 -m benchmarks.graph_step --scenario gpt2 --dtype fp16 --rounds 2 --out "$results"
+  step 50 gpt2-host-profile python3 -m benchmarks.host_profile --scenario gpt2 --dtype fp16 --top 45 --out "$results"
+  step 100 bart-large-fp16 python3 -m benchmarks.graph_step --scenario bart-large --dtype fp16 --rounds 2 \
+    --out "$results"
+  step 50 gpt2-step-profile python3 -m benchmarks.step_profile --scenario gpt2 --device cuda --dtype fp16 \
+    --new-tokens 32 --repeats 1 --out "$results"
 elif [ "$part" = 3 ]; then  # after the first two: fixes checked, warm vs cold, the common call's memory
   export FASTGEN_JIT=0  # no extension build (40 s of a short lease): n-gram blocking runs its Triton kernel
   step 45 gpu-generation-tests python3 -m pytest -q -p no:cacheprovider --timeout 40 -rfE tests/test_gpu_generation.py

@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from fastgen.models._caches import hypothesis_rows
 from fastgen.models.decoder_only import SharedPrefixLayer
-from fastgen.models.graph_step import FULL_SHARE, graphs_switched_off
+from fastgen.models.graph_step import FULL_SHARE, capture_attention, graphs_switched_off
 from fastgen.models.hooks import hooked
 from fastgen.optimizer import report
 
@@ -74,6 +74,8 @@ def model_problem(model: Any) -> str | None:
         return "a compiled forward"
     if hooked(model):
         return "hooks on the model (its forward is called directly)"
+    if hasattr(model, "_reorder_cache"):
+        return "the model reorders its cache itself (_reorder_cache)"
     return None
 
 
@@ -82,15 +84,22 @@ class StaticLayer(DynamicLayer):
 
     rows_are_hypotheses = True  # one row per hypothesis, as upstream's layers (the beam loop may select rows)
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, position: torch.Tensor, origin: Any):
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, capacity: int, position: torch.Tensor, origin: Any,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.is_initialized = True
         self.dtype, self.device = keys.dtype, keys.device
         self.origin = origin  # the layer this one stands in for (given back, filled, when the call ends)
         self.position = position
         self.length = keys.shape[-2]
-        self.key_buffer = keys.new_zeros((*keys.shape[:2], capacity, keys.shape[-1]))
-        self.value_buffer = values.new_zeros((*values.shape[:2], capacity, values.shape[-1]))
+        if buffers is None:
+            buffers = (
+                keys.new_zeros((*keys.shape[:2], capacity, keys.shape[-1])),
+                values.new_zeros((*values.shape[:2], capacity, values.shape[-1])),
+            )
+        self.key_buffer, self.value_buffer = buffers  # zero past the prompt
         self.key_buffer[:, :, : self.length] = keys
         self.value_buffer[:, :, : self.length] = values
         self._publish()
@@ -180,6 +189,7 @@ class DecoderGraphStep:
         self.problem: str | None = None
         self._cache: DynamicCache | None = None
         self._layers: list[StaticLayer] = []
+        self._stack: torch.Tensor | None = None  # (2 * layers, rows, heads, capacity, dim): every layer's K and V
         self._inputs: dict[str, torch.Tensor] = {}  # the static ids, positions, mask and position of a row count
         self._graphs: dict[tuple, _Captured | None] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -294,10 +304,18 @@ class DecoderGraphStep:
             if per_position * capacity > torch.cuda.mem_get_info(keys.device)[0] / FULL_SHARE:
                 return "buffers of the whole length limit would take over a quarter of the free memory"
         position = torch.zeros(1, dtype=torch.long, device=keys.device)
+        stacked = all(k.shape == keys.shape and v.shape == keys.shape for k, v in pairs)
+        if stacked:  # every layer's K and V in one tensor: a step's beam reorder is one gather, not two per layer
+            self._stack = keys.new_zeros((2 * len(pairs), *keys.shape[:2], capacity, keys.shape[-1]))
         self._layers = [
-            StaticLayer(k, v, capacity, position, layer) for (k, v), layer in zip(pairs, cache.layers, strict=True)
+            StaticLayer(k, v, capacity, position, layer, self._stack[2 * i : 2 * i + 2].unbind() if stacked else None)
+            for i, ((k, v), layer) in enumerate(zip(pairs, cache.layers, strict=True))
         ]
         cache.layers = list(self._layers)
+        if stacked:  # the cache's own row operations act on the stack (removed when the layers are given back)
+            cache.reorder_cache = self._reorder_stack
+            cache.batch_select_indices = self._select_stack_rows
+            cache.batch_select_inputs = lambda keep, beams: self._select_stack_rows(hypothesis_rows(keep, beams))
         self._cache = cache
         report.note_ran(FEATURE, "decode step: static shapes" + (", CUDA graphs" if self.capture else ""))
         return None
@@ -338,12 +356,15 @@ class DecoderGraphStep:
         self._graphs = {}  # another row count: the old graphs are done
         side = self._stream
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # the real step; lazy initialisations happen outside the capture
+        with torch.cuda.stream(side), capture_attention():  # the real step; lazy initialisations outside the capture
             logits = self._forward(static, cache, cache_key)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+            with (
+                torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"),
+                capture_attention(),
+            ):
                 static_logits = self._forward(static, cache, cache_key)
         except Exception as error:  # anything the capture cannot take: the same static step, eager
             self.capture = False
@@ -356,15 +377,32 @@ class DecoderGraphStep:
         self.capture_seconds += time.perf_counter() - started
         return logits
 
+    def _reorder_stack(self, beam_idx: torch.LongTensor) -> None:
+        """The beam reorder of every layer at once, in place (the layers' filled prefixes: one length)."""
+        stack, end = self._stack, self._layers[0].length
+        stack[:, :, :, :end] = stack[:, :, :, :end].index_select(1, beam_idx.to(stack.device))
+
+    def _select_stack_rows(self, indices: torch.Tensor) -> None:
+        """Fewer rows (inputs left): a new stack of the kept rows, the layers' buffers its views (a new graph)."""
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().flatten()
+        self._stack = self._stack.index_select(1, indices.to(self._stack.device))
+        for i, layer in enumerate(self._layers):
+            layer.key_buffer, layer.value_buffer = self._stack[2 * i : 2 * i + 2].unbind()
+            layer._publish()
+
     def _stop(self, problem: str) -> None:
         self.problem = problem
         report.note_ran(FEATURE, f"decode step: upstream's forward from here on ({problem})")
         self._give_back()
 
     def _give_back(self) -> None:
-        if self._cache is not None:
-            self._cache.layers = [layer.given_back() for layer in self._layers]
-        self._cache, self._layers = None, []
+        cache = self._cache
+        if cache is not None:
+            cache.layers = [layer.given_back() for layer in self._layers]
+            for name in ("reorder_cache", "batch_select_indices", "batch_select_inputs"):
+                cache.__dict__.pop(name, None)
+        self._cache, self._layers, self._stack = None, [], None
 
 
 def decode_step(model: Any, length_limit: int | None) -> DecoderGraphStep | None:

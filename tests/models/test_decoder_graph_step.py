@@ -77,8 +77,8 @@ def test_free_slots_are_zeroed_before_the_step_reads_them(monkeypatch, static_on
     inputs = harness.tiny_inputs(model, batch=2, length=8)
     made = decoder_graph_step.StaticLayer.__init__
 
-    def made_with_nan(layer, keys, values, capacity, position, origin):
-        made(layer, keys, values, capacity, position, origin)
+    def made_with_nan(layer, *args, **kwargs):
+        made(layer, *args, **kwargs)
         layer.key_buffer[:, :, layer.length + 1 :] = float("nan")
 
     monkeypatch.setattr(decoder_graph_step.StaticLayer, "__init__", made_with_nan)
@@ -97,6 +97,7 @@ def test_the_returned_cache_is_upstreams_layout(static_on_cpu):
         ours = model.generate(**inputs, **kwargs)
     assert _static_ran(report)
     assert torch.equal(ours.sequences, theirs.sequences)
+    assert not {"reorder_cache", "batch_select_indices", "batch_select_inputs"} & set(vars(ours.cache))
     for (our_k, our_v, *_), (their_k, their_v, *_) in zip(ours.cache, theirs.cache, strict=True):
         assert our_k.shape == their_k.shape
         torch.testing.assert_close(our_k, their_k, atol=1e-5, rtol=1e-5)
@@ -177,3 +178,19 @@ def test_cuda_graphs_equal_the_eager_step_in_fp32(family, case, monkeypatch):
     for ours, theirs in zip(graphed.scores, eager.scores, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     harness.assert_same_generation(model, inputs, **CASES[case])
+
+
+def test_the_beam_reorder_gathers_every_layer_at_once(monkeypatch, static_on_cpu):
+    """Layers of one shape share one stacked buffer: the cache's reorder is one gather of the stack."""
+    calls = []
+    reorder = decoder_graph_step.DecoderGraphStep._reorder_stack
+
+    def spy(step, beam_idx):
+        calls.append(beam_idx.shape[0])
+        reorder(step, beam_idx)
+
+    monkeypatch.setattr(decoder_graph_step.DecoderGraphStep, "_reorder_stack", spy)
+    model = harness.non_degenerate(harness.tiny_hf_model("llama"))
+    inputs = harness.tiny_inputs(model, batch=2, length=8)
+    harness.assert_same_generation(model, inputs, num_beams=3, max_new_tokens=6)
+    assert calls and set(calls) == {6}
