@@ -8,6 +8,7 @@
 #   bash scripts/gpu_session.sh 4 390   # part 4: the CUDA-graph decode step (tests, fp32, bart-large fp16, max batch)
 #   bash scripts/gpu_session.sh 8 480   # part 8: decoder-only graphs (gpt2, llama), cold start without cuDNN, fairseq
 #   bash scripts/gpu_session.sh 9 330   # part 9: part 8's findings (no cuDNN in captures, stacked reorder), host profile
+#   bash scripts/gpu_session.sh 10 200  # part 10: part 9's finding (the reorder copied the whole prompt each step)
 #   (.whl for part 8 also carries ve-fairseq 0.12.3 and its missing needs: hydra-core, omegaconf, antlr4, bitarray)
 # What comes back: $OUT/part<N>.log and $OUT/results-part<N>.tar.gz (JSON results).
 set -uo pipefail
@@ -97,6 +98,14 @@ elif [ "$part" = 9 ]; then  # after part 8: captures without cuDNN attention, th
     --out "$results"
   step 50 gpt2-step-profile python3 -m benchmarks.step_profile --scenario gpt2 --device cuda --dtype fp16 \
     --new-tokens 32 --repeats 1 --out "$results"
+elif [ "$part" = 10 ]; then  # after part 9: the decoder-only beam reorder moves only the generated positions
+  export FASTGEN_JIT=0
+  step 60 graph-tests python3 -m pytest -q -p no:cacheprovider --timeout 60 -rfE -m gpu \
+    tests/models/test_decoder_graph_step.py
+  step 70 gpt2-fp16 python3 -m benchmarks.graph_step --scenario gpt2 --dtype fp16 --rounds 2 --out "$results"
+  step 50 llama-fp16 python3 -m benchmarks.graph_step --scenario llama --dtype fp16 --rounds 2 --out "$results"
+  step 30 gpt2-fp32 python3 -m benchmarks.graph_step --scenario gpt2 --dtype fp32 --batch 4 --input-len 128 \
+    --new-tokens 32 --rounds 1 --out "$results"
 elif [ "$part" = 3 ]; then  # after the first two: fixes checked, warm vs cold, the common call's memory
   export FASTGEN_JIT=0  # no extension build (40 s of a short lease): n-gram blocking runs its Triton kernel
   step 45 gpu-generation-tests python3 -m pytest -q -p no:cacheprovider --timeout 40 -rfE tests/test_gpu_generation.py

@@ -182,14 +182,17 @@ class DecoderGraphStep:
 
     ran_compiled = False
 
-    def __init__(self, model: Any, length_limit: int, capture: bool = True) -> None:
+    def __init__(self, model: Any, length_limit: int, capture: bool = True, beams: int = 1) -> None:
         self.model = model
         self.length_limit = length_limit
         self.capture = capture
+        self.beams = beams  # hypotheses per input (consecutive rows): beam search reorders only within them
         self.problem: str | None = None
         self._cache: DynamicCache | None = None
         self._layers: list[StaticLayer] = []
         self._stack: torch.Tensor | None = None  # (2 * layers, rows, heads, capacity, dim): every layer's K and V
+        self._prompt = 0  # positions every hypothesis of an input holds alike (the prompt): no reorder moves them
+        self._scratch: torch.Tensor | None = None  # the reorder's gather, reused (its size grows every step)
         self._inputs: dict[str, torch.Tensor] = {}  # the static ids, positions, mask and position of a row count
         self._graphs: dict[tuple, _Captured | None] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -312,6 +315,14 @@ class DecoderGraphStep:
             for i, ((k, v), layer) in enumerate(zip(pairs, cache.layers, strict=True))
         ]
         cache.layers = list(self._layers)
+        rows, prompt = keys.shape[0], keys.shape[-2]
+        if stacked and self.beams > 1 and rows % self.beams == 0:
+            # an input's hypotheses hold one prompt (the same tokens; a shared prefill repeated, or upstream's
+            # prefill of each copy): made bit-equal here, so the beam reorder, which stays within an input, moves
+            # only the generated positions
+            grouped = self._stack[:, :, :, :prompt].unflatten(1, (rows // self.beams, self.beams))
+            grouped[:, :, 1:] = grouped[:, :, :1]
+            self._prompt = prompt
         if stacked:  # the cache's own row operations act on the stack (removed when the layers are given back)
             cache.reorder_cache = self._reorder_stack
             cache.batch_select_indices = self._select_stack_rows
@@ -378,9 +389,17 @@ class DecoderGraphStep:
         return logits
 
     def _reorder_stack(self, beam_idx: torch.LongTensor) -> None:
-        """The beam reorder of every layer at once, in place (the layers' filled prefixes: one length)."""
-        stack, end = self._stack, self._layers[0].length
-        stack[:, :, :, :end] = stack[:, :, :, :end].index_select(1, beam_idx.to(stack.device))
+        """The beam reorder of every layer at once, in place: the generated positions gathered into a scratch
+        buffer reserved once (no allocation of a new size each step) and copied back."""
+        stack, start, end = self._stack, self._prompt, self._layers[0].length
+        if end <= start:
+            return
+        moving = stack[:, :, :, start:end]
+        if self._scratch is None or self._scratch.shape[1] != stack.shape[1]:
+            self._scratch = stack.new_empty((*stack.shape[:3], stack.shape[3] - start, stack.shape[4]))
+        gathered = self._scratch.view(-1)[: moving.numel()].view(moving.shape)
+        torch.index_select(moving, 1, beam_idx.to(stack.device), out=gathered)
+        moving.copy_(gathered)
 
     def _select_stack_rows(self, indices: torch.Tensor) -> None:
         """Fewer rows (inputs left): a new stack of the kept rows, the layers' buffers its views (a new graph)."""
@@ -402,10 +421,10 @@ class DecoderGraphStep:
             cache.layers = [layer.given_back() for layer in self._layers]
             for name in ("reorder_cache", "batch_select_indices", "batch_select_inputs"):
                 cache.__dict__.pop(name, None)
-        self._cache, self._layers, self._stack = None, [], None
+        self._cache, self._layers, self._stack, self._scratch = None, [], None, None
 
 
-def decode_step(model: Any, length_limit: int | None) -> DecoderGraphStep | None:
+def decode_step(model: Any, length_limit: int | None, beams: int = 1) -> DecoderGraphStep | None:
     """The static decode step for this call where it applies (a decoder-only model of :data:`FAMILIES` on a GPU,
     graphs not switched off), else None (noted in the report where the model alone is the reason)."""
     device = getattr(model, "device", None)
@@ -417,4 +436,4 @@ def decode_step(model: Any, length_limit: int | None) -> DecoderGraphStep | None
     if problem is not None:
         report.note_ran(FEATURE, f"decode step: upstream's forward ({problem})")
         return None
-    return DecoderGraphStep(model, length_limit, capture=device.type == "cuda")
+    return DecoderGraphStep(model, length_limit, capture=device.type == "cuda", beams=beams)

@@ -194,3 +194,15 @@ def test_the_beam_reorder_gathers_every_layer_at_once(monkeypatch, static_on_cpu
     inputs = harness.tiny_inputs(model, batch=2, length=8)
     harness.assert_same_generation(model, inputs, num_beams=3, max_new_tokens=6)
     assert calls and set(calls) == {6}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_without_prompt_sharing_each_hypothesis_prefilled(family, static_on_cpu):
+    """Without ``dedup`` (as on a GPU by default) upstream's prefill computes the prompt once per hypothesis: the
+    static step makes an input's copies one and reorders only the generated positions; tokens stay upstream's."""
+    model = harness.non_degenerate(harness.tiny_hf_model(family))
+    inputs = harness.tiny_inputs(model, batch=3, length=10)
+    _, _, report = harness.assert_same_generation(
+        model, inputs, features=["beam"], with_report=True, num_beams=4, no_repeat_ngram_size=2, max_new_tokens=9
+    )
+    assert _static_ran(report) and "dedup" not in report.ran

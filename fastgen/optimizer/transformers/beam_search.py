@@ -381,7 +381,7 @@ class _StepOutputs(dict):
         self.logits = logits
 
 
-def _lean_step(model: Any, length_limit: int) -> Any:
+def _lean_step(model: Any, length_limit: int, beams: int = 1) -> Any:
     """The lean decode step (:class:`fastgen.models.lean_step.LeanDecodeStep`; for a decoder-only model on a GPU
     :class:`fastgen.models.decoder_graph_step.DecoderGraphStep`) for this call's model, or None where upstream's
     forward runs every step (``FASTGEN_LEAN_STEP=0``, or a model it does not reproduce: noted in the report)."""
@@ -394,7 +394,7 @@ def _lean_step(model: Any, length_limit: int) -> Any:
     if not model.config.is_encoder_decoder:  # a decoder-only model: its own forward on static buffers, on a GPU
         from fastgen.models import decoder_graph_step
 
-        return decoder_graph_step.decode_step(model, length_limit)
+        return decoder_graph_step.decode_step(model, length_limit, beams)
     reason = lean_step.model_problem(model)
     if reason is not None:
         report.note_ran(FEATURE, f"decode step: upstream's forward ({reason})")
@@ -512,7 +512,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
     if native is not None:
         report.note_ran(FEATURE, "beam bookkeeping: C++ (fastgen_cpu.beam_update_)")
         native_settings = (*native, decoder_prompt_len, max_length, float(length_penalty), stopping)
-    lean = _lean_step(self, length_limit)
+    lean = _lean_step(self, length_limit, num_beams)
     prefill_consumed = False
     this_peer_finished = False
     with _first_step_through(self, lean):
