@@ -944,9 +944,12 @@ def gpu_generation() -> str:
 
 
 def _graph_step_rows() -> list[tuple[Path, dict, dict]]:
-    """``graph_step-*-cuda*.json``: (path, result, the graph variant's entry), warm medians against upstream."""
+    """``graph_step-<scenario>-b<batch>-cuda-<dtype>.json`` (a suffixed name is a variant run, on the GPU page
+    only): (path, result, the graph variant's entry), warm medians against upstream."""
     rows = []
     for path in gpu_files("graph_step"):
+        if not re.fullmatch(r"graph_step-.+-b\d+-cuda-(fp16|fp32|bf16)\.json", path.name):
+            continue
         r = json.loads(path.read_text())
         rows.append((path, r, r["fastgen-graphs"]))
     return rows
