@@ -354,6 +354,80 @@ async def drive(url: str, inputs: list[list[int]], params: dict, rate: float, se
     }
 
 
+async def drive_streamed(url: str, inputs: list[list[int]], max_tokens: int, rate: float, seed: int) -> dict[str, Any]:
+    """Poisson arrivals of streamed greedy ``/v1/completions`` requests: the time to the first token's event
+    (send to the first ``data:`` line) and to the end of the stream, with the server's own counters over the run
+    (``/metrics``): its mean queue wait (received to joined) and first step, and its mean decoder step."""
+    import httpx
+
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in inputs:
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    first: list[float | None] = [None] * len(inputs)
+    whole: list[float | None] = [None] * len(inputs)
+    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        before = _metric_sums((await client.get("/metrics")).text)
+        start = time.perf_counter()
+
+        async def one(index: int) -> None:
+            await asyncio.sleep(max(0.0, start + offsets[index] - time.perf_counter()))
+            sent = time.perf_counter()
+            body = {"prompt": inputs[index], "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        return
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: ") and first[index] is None:
+                            first[index] = time.perf_counter() - sent
+                    whole[index] = time.perf_counter() - sent
+            except httpx.HTTPError:
+                pass
+
+        await asyncio.gather(*[one(i) for i in range(len(inputs))])
+        elapsed = time.perf_counter() - start
+        after = _metric_sums((await client.get("/metrics")).text)
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+
+    def pct(values: list[float | None], q: float) -> float | None:
+        done = sorted(v for v in values if v is not None)
+        return None if not done else round(done[min(len(done) - 1, int(q * len(done)))], 4)
+
+    def mean(total: str, count: str) -> float | None:
+        return round(delta[total] / delta[count], 4) if delta.get(count) else None
+
+    return {
+        "rate": rate,
+        "requests": len(inputs),
+        "failed": sum(v is None for v in whole),
+        "throughput_rps": round(sum(v is not None for v in whole) / elapsed, 3),
+        "first_token_p50_s": pct(first, 0.50),
+        "first_token_p95_s": pct(first, 0.95),
+        "first_token_p99_s": pct(first, 0.99),
+        "latency_p50_s": pct(whole, 0.50),
+        "latency_p95_s": pct(whole, 0.95),
+        "server_queue_wait_mean_s": mean("fastgen_queue_wait_seconds_sum", "fastgen_queue_wait_seconds_count"),
+        "server_first_token_mean_s": mean(
+            "fastgen_time_to_first_token_seconds_sum", "fastgen_time_to_first_token_seconds_count"
+        ),
+        "server_step_mean_s": mean("fastgen_busy_seconds_total", "fastgen_steps_total"),
+    }
+
+
+def _metric_sums(text: str) -> dict[str, float]:
+    """The unlabelled samples of a Prometheus text page (name -> value)."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                values[name] = float(value)
+    return values
+
+
 def sustainable(rows: list[dict]) -> float | None:
     """The highest rate held below the first rate missed (rates in increasing order): a rate past a server's
     capacity can pass when the request cap shortens its window, so a rate held after a miss does not count."""
@@ -407,6 +481,15 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 same = sum(a == b for a, b in zip(outputs["baseline"], outputs["fastgen"], strict=True) if a and b)
                 both = sum(1 for a, b in zip(outputs["baseline"], outputs["fastgen"], strict=True) if a and b)
                 rows["fastgen"][-1]["same_tokens_as_baseline"] = f"{same}/{both}"
+        streamed = []
+        if not name.startswith("bart") and args.ttft_rates:  # greedy streams; beam search answers at the end
+            for number, rate in enumerate(float(r) for r in args.ttft_rates.split(",")):
+                count = max(20, min(args.max_requests, int(rate * args.seconds)))
+                inputs = workload(name, count, seed=1000 + number)
+                url, new_tokens = servers["fastgen"].url, params["max_new_tokens"]
+                row = asyncio.run(drive_streamed(url, inputs, new_tokens, rate, seed=number))
+                streamed.append(row)
+                print(f"{name} fastgen streamed rate {rate:6.2f}/s: {json.dumps(row)}", flush=True)
     finally:
         for server in servers.values():
             server.stop()
@@ -418,6 +501,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "baseline": rows["baseline"],
         "fastgen": rows["fastgen"],
         "memory": memory,
+        "streamed_first_token": streamed,
         "sustainable_rate": {"baseline": base, "fastgen": fast, "ratio": None if not base or not fast else fast / base},
     }
 
@@ -441,6 +525,9 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="fastgen-serve's decoder rows per step (its --batch-rows; 0: --max-batch inputs x beams); also the "
         "rows of generate_many in --capacity-rounds",
+    )
+    parser.add_argument(
+        "--ttft-rates", default="", help="gpt2: rates of streamed completions sent to fastgen-serve (first token)"
     )
     parser.add_argument("--capacity-rounds", type=int, default=0, help="capacity rounds per model (0: none)")
     parser.add_argument("--capacity-inputs", type=int, default=64)

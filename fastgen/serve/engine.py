@@ -83,6 +83,7 @@ class EngineStats:
     failed: int = 0
     cancelled: int = 0
     generated_tokens: int = 0
+    busy_seconds: float = 0.0  # wall time in the loops' steps (a step's mean duration: busy_seconds / steps)
 
 
 class _Group:
@@ -305,11 +306,13 @@ class Engine:
                     if not self._inbox and not self._cancels:
                         self._cv.wait(timeout=0.5)
                 continue
+            started = time.perf_counter()
             for group in busy:
                 try:
                     group.step()
                 except Exception as exc:  # the loop is broken: its inputs run again, each alone
                     self._broken(group, exc)
+            self.stats.busy_seconds += time.perf_counter() - started
             self._rows = sum(group.rows_in_flight() for group in self._groups.values())
 
     def _intake(self) -> None:

@@ -26,6 +26,7 @@ class _EngineCounters:
             ("fastgen_inputs_finished", "Inputs finished", stats.finished),
             ("fastgen_inputs_failed", "Inputs that raised (alone)", stats.failed),
             ("fastgen_inputs_cancelled", "Inputs cancelled (client gone)", stats.cancelled),
+            ("fastgen_busy_seconds", "Wall time in decoder steps (/ fastgen_steps: a step)", stats.busy_seconds),
         ):
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)

@@ -145,6 +145,8 @@ def test_bad_json_health_models_metrics(gpt2_server):
         "fastgen_queue_depth",
         "fastgen_rows_in_flight",
         "fastgen_generated_tokens_total",
+        "fastgen_steps_total",
+        "fastgen_busy_seconds_total",
         "fastgen_request_latency_seconds_bucket",
         "fastgen_time_to_first_token_seconds_bucket",
         'fastgen_requests_total{endpoint="generate",status="400"}',
