@@ -165,6 +165,14 @@ class StaticLayer(DynamicLayer):
         return origin
 
 
+def _length(cache: Any) -> int:
+    """The cache's length (-2 for one it cannot tell: no mask matches it)."""
+    try:
+        return int(cache.get_seq_length())
+    except Exception:  # not a cache of Transformers' API: the step refuses it when adopting
+        return -2
+
+
 def _per_row(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(layer, SharedPrefixLayer):
         return layer.per_hypothesis()
@@ -272,9 +280,6 @@ class DecoderGraphStep:
             return "no cache"
         if self.capture and (not ids.is_cuda or torch.cuda.is_current_stream_capturing()):
             return "inputs off the GPU"
-        mask = model_inputs.get("attention_mask")
-        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
-            return "an attention mask that is not 2-D"
         if model_inputs.get("logits_to_keep", 1) not in (0, 1):
             return "logits_to_keep other than the one position"
         positions = model_inputs.get("position_ids")
@@ -285,6 +290,11 @@ class DecoderGraphStep:
             return "another cache object"
         if self._cache is not None and ids.shape[0] != self._layers[0].rows:
             return "rows that are not the cache's"
+        mask = model_inputs.get("attention_mask")
+        if mask is not None:
+            length = self._layers[0].length if self._cache is not None else _length(cache)
+            if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (ids.shape[0], length + 1):
+                return "an attention mask that is not 2-D over the cache and the new token"
         return None
 
     def _adopt(self, cache: Any) -> str | None:

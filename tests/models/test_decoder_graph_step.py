@@ -206,3 +206,22 @@ def test_without_prompt_sharing_each_hypothesis_prefilled(family, static_on_cpu)
         model, inputs, features=["beam"], with_report=True, num_beams=4, no_repeat_ngram_size=2, max_new_tokens=9
     )
     assert _static_ran(report) and "dedup" not in report.ran
+
+
+def test_a_mask_of_another_width_gives_the_step_back_to_upstream(static_on_cpu):
+    """A later step whose 2-D mask is not over the cache and the new token: upstream's forward from there on, with
+    the cache's layers given back in upstream's layout (no crash, no wrong mask)."""
+    model = harness.non_degenerate(harness.tiny_hf_model("gpt2"))
+    inputs = harness.tiny_inputs(model, batch=2, length=6)
+    step = decoder_graph_step.DecoderGraphStep(model, 20, capture=False, beams=1)
+    with torch.no_grad():
+        out = model(**inputs, use_cache=True)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        ids = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], dim=1)
+        first = step.step({"input_ids": ids, "cache": cache, "attention_mask": mask, "use_cache": True})
+        assert first is not None and isinstance(cache.layers[0], decoder_graph_step.StaticLayer)
+        wrong = torch.ones(2, 3, dtype=torch.long)
+        assert step.step({"input_ids": ids, "cache": cache, "attention_mask": wrong, "use_cache": True}) is None
+    assert step.problem and not any(isinstance(layer, decoder_graph_step.StaticLayer) for layer in cache.layers)
+    assert cache.get_seq_length() == 7
