@@ -54,9 +54,26 @@ def _runner(call: Any, device: str, no_cudnn: bool = False) -> Any:
     return run
 
 
+def _upstream_halves(scenario: Any, device: str, dtype: str, settings: dict[str, Any]) -> str:
+    """Rows of upstream's whole batch identical to upstream's two half batches (the same rows, the same model):
+    how far upstream's half precision moves from itself under a change it treats as harmless."""
+    model, inputs, kwargs = scenario.build(device, DTYPES[dtype], settings)
+    half = settings["batch"] // 2
+    with fastgen.unpatched(), torch.inference_mode():
+        whole = model.generate(**inputs, **kwargs).sequences
+        parts = [model.generate(**{k: v[rows] for k, v in inputs.items()}, **kwargs).sequences
+                 for rows in (slice(0, half), slice(half, None))]  # fmt: skip
+    width = max(part.shape[-1] for part in parts)
+    pad = model.generation_config.pad_token_id or 0
+    halves = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=pad) for p in parts])
+    del model
+    return _identical_rows(whole, halves)
+
+
 def measure(
-    scenario_name: str, device: str, dtype: str, rounds: int, overrides: dict[str, Any], no_cudnn: bool = False
-) -> dict[str, Any]:
+    scenario_name: str, device: str, dtype: str, rounds: int, overrides: dict[str, Any], no_cudnn: bool = False,
+    upstream_halves: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     scenario = SCENARIOS[scenario_name]
     settings = scenario.settings(device) | {k: v for k, v in overrides.items() if v is not None}
     call = scenario.prepare(device, DTYPES[dtype], settings)
@@ -91,6 +108,8 @@ def measure(
             "lean_step_notes": notes[variant],
         }
     result["graphs_over_eager"] = result["fastgen-eager"]["median_s"] / result["fastgen-graphs"]["median_s"]
+    if upstream_halves:
+        result["upstream_vs_own_halves"] = _upstream_halves(scenario, device, dtype, settings)
     result["load_average"] = {"start": start, "end": load_average()}
     return result
 
@@ -105,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int)
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--no-cudnn-attention", action="store_true", help="SDPA without cuDNN, all variants")
+    parser.add_argument(
+        "--upstream-halves", action="store_true", help="also: upstream's whole batch against its two halves"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -112,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     overrides = {"batch": args.batch, "input_len": args.input_len, "new_tokens": args.new_tokens}
     result = result_header("graph_step", argv) | {"environment": environment(args.device)}
-    result |= measure(args.scenario, args.device, args.dtype, args.rounds, overrides, args.no_cudnn_attention)
+    result |= measure(
+        args.scenario, args.device, args.dtype, args.rounds, overrides, args.no_cudnn_attention, args.upstream_halves
+    )
     for variant in VARIANTS:
         row = result[variant]
         print(
@@ -122,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['lean_step_notes']}"
         )
     print(f"graphs over eager: {result['graphs_over_eager']:.2f}x")
+    if "upstream_vs_own_halves" in result:
+        print(f"upstream's whole batch against its two halves: {result['upstream_vs_own_halves']} rows identical")
     suffix = "-no-cudnn" if args.no_cudnn_attention else ""
     name = f"graph_step-{args.scenario}-b{result['settings']['batch']}-{args.device}-{args.dtype}{suffix}.json"
     write_result(args.out / name, result)

@@ -9,6 +9,7 @@
 #   bash scripts/gpu_session.sh 8 480   # part 8: decoder-only graphs (gpt2, llama), cold start without cuDNN, fairseq
 #   bash scripts/gpu_session.sh 9 330   # part 9: part 8's findings (no cuDNN in captures, stacked reorder), host profile
 #   bash scripts/gpu_session.sh 10 200  # part 10: part 9's finding (the reorder copied the whole prompt each step)
+#   bash scripts/gpu_session.sh 11 420  # part 11: fp16 rows against upstream's own batch halves; max batch again
 #   (.whl for part 8 also carries ve-fairseq 0.12.3 and its missing needs: hydra-core, omegaconf, antlr4, bitarray)
 # What comes back: $OUT/part<N>.log and $OUT/results-part<N>.tar.gz (JSON results).
 set -uo pipefail
@@ -106,6 +107,18 @@ elif [ "$part" = 10 ]; then  # after part 9: the decoder-only beam reorder moves
   step 50 llama-fp16 python3 -m benchmarks.graph_step --scenario llama --dtype fp16 --rounds 2 --out "$results"
   step 30 gpt2-fp32 python3 -m benchmarks.graph_step --scenario gpt2 --dtype fp32 --batch 4 --input-len 128 \
     --new-tokens 32 --rounds 1 --out "$results"
+elif [ "$part" = 11 ]; then  # next: fp16 rows against upstream's own spread, the largest batch after part 9's change
+  export FASTGEN_JIT=0
+  step 60 graph-tests python3 -m pytest -q -p no:cacheprovider --timeout 60 -rfE -m gpu \
+    tests/models/test_decoder_graph_step.py tests/models/test_graph_step.py
+  for scenario in gpt2 llama; do
+    step 80 "$scenario-fp16-halves" python3 -m benchmarks.graph_step --scenario "$scenario" --dtype fp16 --rounds 2 \
+      --upstream-halves --out "$results"
+  done
+  step 120 bart-large-fp16-halves python3 -m benchmarks.graph_step --scenario bart-large --dtype fp16 --rounds 2 \
+    --upstream-halves --out "$results"
+  step 110 max-batch python3 -m benchmarks.max_batch --scenario bart-large --budget-gib 8 --dtype fp16 \
+    --granularity 16 --rounds 1 --out "$results/max_batch-bart-large-fp16-8gib-graphs-cuda.json"
 elif [ "$part" = 3 ]; then  # after the first two: fixes checked, warm vs cold, the common call's memory
   export FASTGEN_JIT=0  # no extension build (40 s of a short lease): n-gram blocking runs its Triton kernel
   step 45 gpu-generation-tests python3 -m pytest -q -p no:cacheprovider --timeout 40 -rfE tests/test_gpu_generation.py
