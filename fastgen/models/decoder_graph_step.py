@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from fastgen.models._caches import hypothesis_rows
 from fastgen.models.decoder_only import SharedPrefixLayer
-from fastgen.models.graph_step import FULL_SHARE, capture_attention, graphs_switched_off
+from fastgen.models.graph_step import FULL_SHARE, GRAPHS_ENV, capture_attention, graphs_switched_off
 from fastgen.models.hooks import hooked
 from fastgen.optimizer import report
 
@@ -434,16 +434,23 @@ class DecoderGraphStep:
         self._cache, self._layers, self._stack, self._scratch = None, [], None, None
 
 
-def decode_step(model: Any, length_limit: int | None, beams: int = 1) -> DecoderGraphStep | None:
-    """The static decode step for this call where it applies (a decoder-only model of :data:`FAMILIES` on a GPU,
-    graphs not switched off), else None (noted in the report where the model alone is the reason)."""
+def call_problem(model: Any) -> str | None:
+    """Why this call's decode steps keep the model's forward (None: the static step serves them): it serves a
+    decoder-only model of :data:`FAMILIES` on a GPU (or on a CPU under :data:`STATIC_ON_CPU`), graphs not off."""
     device = getattr(model, "device", None)
-    if length_limit is None or device is None or not (device.type == "cuda" or STATIC_ON_CPU):
-        return None
+    if device is None or not (device.type == "cuda" or STATIC_ON_CPU):
+        return f"a decoder-only model on {device} (the static step serves them on a GPU)"
     if graphs_switched_off():
-        return None
-    problem = model_problem(model)
+        return f"{GRAPHS_ENV}=0"
+    return model_problem(model)
+
+
+def decode_step(model: Any, length_limit: int | None, beams: int = 1) -> DecoderGraphStep | None:
+    """The static decode step for this call (:func:`call_problem`), else None (noted in the report where the model
+    is the reason: the device or the switch are not news)."""
+    problem = "no length limit" if length_limit is None else call_problem(model)
     if problem is not None:
-        report.note_ran(FEATURE, f"decode step: upstream's forward ({problem})")
+        if model_problem(model) is not None:
+            report.note_ran(FEATURE, f"decode step: upstream's forward ({problem})")
         return None
-    return DecoderGraphStep(model, length_limit, capture=device.type == "cuda", beams=beams)
+    return DecoderGraphStep(model, length_limit, capture=model.device.type == "cuda", beams=beams)

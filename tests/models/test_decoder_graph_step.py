@@ -154,6 +154,7 @@ def test_graphs_can_be_switched_off(monkeypatch, static_on_cpu):
     monkeypatch.setenv(graph_step.GRAPHS_ENV, "0")
     model = harness.tiny_hf_model("gpt2")
     assert decoder_graph_step.decode_step(model, 32) is None
+    assert decoder_graph_step.call_problem(model) == f"{graph_step.GRAPHS_ENV}=0"
 
 
 @pytest.mark.gpu

@@ -34,15 +34,12 @@ def _problem(model: Any, generation_config: Any, model_kwargs: dict[str, Any], s
 
     if lean_step_switched_off():
         return f"{LEAN_ENV}=0"
-    if not model.config.is_encoder_decoder:
-        reason = None if getattr(model, "device", None) is not None and model.device.type == "cuda" else "on a CPU"
-        reason = reason or decoder_graph_step.model_problem(model)
-        if reason is not None and not decoder_graph_step.STATIC_ON_CPU:
-            return f"decoder-only, {reason} (the static step serves decoder-only models on a GPU)"
-    else:
+    if model.config.is_encoder_decoder:
         reason = lean_step.model_problem(model)
-        if reason is not None:
-            return reason
+    else:
+        reason = decoder_graph_step.call_problem(model)
+    if reason is not None:
+        return reason
     if synced_gpus:
         return "synced_gpus"
     if getattr(model, "device", None) is None or model.device.type not in ("cpu", "cuda"):
