@@ -10,6 +10,7 @@
 #   bash scripts/gpu_session.sh 9 330   # part 9: part 8's findings (no cuDNN in captures, stacked reorder), host profile
 #   bash scripts/gpu_session.sh 10 200  # part 10: part 9's finding (the reorder copied the whole prompt each step)
 #   bash scripts/gpu_session.sh 11 420  # part 11: fp16 rows against upstream's own batch halves; max batch again
+#   bash scripts/gpu_session.sh 12 320  # part 12: fastgen-generate-hf over a 256-line file at the bart-large shape
 #   (.whl for part 8 also carries ve-fairseq 0.12.3 and its missing needs: hydra-core, omegaconf, antlr4, bitarray)
 # What comes back: $OUT/part<N>.log and $OUT/results-part<N>.tar.gz (JSON results).
 set -uo pipefail
@@ -119,6 +120,9 @@ elif [ "$part" = 11 ]; then  # next: fp16 rows against upstream's own spread, th
     --upstream-halves --out "$results"
   step 110 max-batch python3 -m benchmarks.max_batch --scenario bart-large --budget-gib 8 --dtype fp16 \
     --granularity 16 --rounds 1 --out "$results/max_batch-bart-large-fp16-8gib-graphs-cuda.json"
+elif [ "$part" = 12 ]; then  # next: end to end over a file, as FastSeq measured (model load, tokenizer and writing included)
+  export FASTGEN_JIT=0
+  step 300 cli-e2e python3 -m benchmarks.cli_gpu --device cuda --dtype float16 --lines 256 --rounds 1 --out "$results"
 elif [ "$part" = 3 ]; then  # after the first two: fixes checked, warm vs cold, the common call's memory
   export FASTGEN_JIT=0  # no extension build (40 s of a short lease): n-gram blocking runs its Triton kernel
   step 45 gpu-generation-tests python3 -m pytest -q -p no:cacheprovider --timeout 40 -rfE tests/test_gpu_generation.py
