@@ -73,33 +73,54 @@ class ContinuousBatches:
         return out
 
 
-#: Rows per step (``batch_size x num_beams``) above which an encoder-decoder beam search on more than one
-#: torch thread runs static batches (see :func:`prefers_static`).
+#: Rows per step (``batch_size x num_beams``) above which an encoder-decoder beam search runs static batches
+#: (see :func:`prefers_static`).
 STATIC_BEAM_ROWS = 32
+
+#: Encoder-decoder models with fewer parameters than this run static batches on a CPU (see :func:`prefers_static`).
+SMALL_MODEL_PARAMETERS = 50_000_000
 
 
 def prefers_static(model: Any, settings: Settings, batch_size: int) -> str | None:
     """Why static batches are expected to be at least as fast for this run (None: continuous batching).
 
-    fastgen's beam loop already drops finished inputs from a static batch, so for beam search both ways
-    compute the same row-steps and refilling saves only steps, i.e. a step's fixed cost (weights streamed,
-    per-op overhead): on this project's CPU worth about 16-20 rows (step time ``a + b x rows``, BART d=384
-    and bart-base). Measured at one thread: 1.11x static batches at 16 rows (bart-base), but at 64 rows
-    anywhere from 0.94x to 1.04x in different runs (BART d=384, a variable-length file) and 1.00-1.04x
-    (bart-base); at two threads 0.91x at 64 rows (the GEMMs run on both cores, the per-step work around
-    them on one). So above :data:`STATIC_BEAM_ROWS` rows the default is static batches at any thread
-    count: there the default can never lose to them. Greedy static batches keep finished rows (refilling
-    saves rows too), and decoder-only beam search was not measured: continuous.
+    On a CPU, an encoder-decoder model's static batches run its decode step from C++ (and, in beam search, the
+    compiled beam step), where a continuous batch runs every row at its own position through the continuous
+    scheduler in Python; in the fast modes (``int8``, ``fast``) the continuous step itself stays in Python (the
+    fast attention kernel takes no self-attention mask). Measured on a 7.9M-parameter BART trained here (one
+    AMD EPYC core, in one process, ``benchmarks/continuous_trained.py``), continuous batching lost in every
+    mode and size tried, greedy and beam search (0.5-0.85x); on bart-base (140M parameters, output lengths
+    7-48) it won at 16 rows in the exact mode (1.29x). So on a CPU: static batches in the fast modes and for
+    models under :data:`SMALL_MODEL_PARAMETERS`.
+
+    For beam search above :data:`STATIC_BEAM_ROWS` rows, anywhere: fastgen's beam loop drops finished inputs
+    from a static batch, so both ways compute the same row-steps and refilling saves only steps, a step's
+    fixed cost, worth about 16-20 rows (at 64 rows on one thread 0.94-1.04x in different runs, at two threads
+    0.91x). Greedy static batches keep finished rows (refilling saves rows too), and decoder-only models were
+    not measured: continuous there.
 
     Only greedy/beam runs are ever switched: their results are the same either way. Sampling seeds per
     line under continuous batching and per batch in static batches, so its mode is never changed here.
     """
-    if settings.do_sample or settings.num_beams == 1 or not model.config.is_encoder_decoder:
+    if settings.do_sample or not model.config.is_encoder_decoder:
         return None
-    if not _beam_loop_drops_finished():
+    beam = settings.num_beams > 1
+    if beam and not _beam_loop_drops_finished():
         return None  # upstream's beam loop keeps finished inputs' rows in a static batch
+    if getattr(model, "device", torch.device("cpu")).type == "cpu":
+        from fastgen.optimizer.registry import current_mode
+
+        mode = current_mode(model)
+        if mode in ("fast", "int8"):
+            return f"the {mode} mode on a CPU: static batches run the decode step in C++, a continuous batch in Python"
+        parameters = sum(p.numel() for p in model.parameters())
+        if parameters < SMALL_MODEL_PARAMETERS:
+            return (
+                f"a model of {parameters / 1e6:.1f}M parameters on a CPU: a continuous step's fixed cost outweighs "
+                "what refilling saves"
+            )
     rows, threads = batch_size * settings.num_beams, torch.get_num_threads()
-    if rows <= STATIC_BEAM_ROWS:
+    if not beam or rows <= STATIC_BEAM_ROWS:
         return None
     return (
         f"beam search over {rows} rows per step (> {STATIC_BEAM_ROWS}) on {threads} thread(s): fastgen's beam loop "

@@ -1,5 +1,5 @@
-"""``fastgen-generate-hf`` on continuous batching (the default) and with ``--no-continuous-batching`` (static
-batches)."""
+"""``fastgen-generate-hf`` on continuous batching (``--continuous-batching``; the default where it is expected to be
+faster) and with ``--no-continuous-batching`` (static batches)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_continuous_equals_generate_alone_and_static_batches(files, tmp_path, ca
     args = [str(files["bart"]), "--input", str(files["inputs"]), "--batch-size", "3", "--sort-window", "9"]
     args += ["--num-beams", "3", "--no-repeat-ngram-size", "2", "--max-new-tokens", "10", "--postprocess-workers", "0"]
     with caplog.at_level(logging.INFO, logger="fastgen.cli.generate_hf"):
-        assert run_cli([*args, "--output", str(out)], capsys) == 0  # the default
+        assert run_cli([*args, "--output", str(out), "--continuous-batching"], capsys) == 0  # (a tiny model: static
+        # by default, tests/cli/test_continuous_choice.py)
     assert "continuous batching: 9 decoder rows" in caplog.text
     expected = alone_outputs(files["bart"], files["inputs"], num_beams=3, no_repeat_ngram_size=2, max_new_tokens=10)
     assert out.read_text().split("\n")[:-1] == expected
