@@ -110,10 +110,11 @@ class LeanStep:
 
     def _program(self, rows: int, cache: SlotCache) -> Any:
         """The C++ program (:class:`fastgen.models.compiled_step.CompiledStep`) for a step of ``rows`` rows, or None
-        where the Python step runs it: the cache's first step (its buffers are made by the Python step), a mode
-        other than the exact one (the self-attention's mask would meet the fast modes' attention kernel, which
-        the program does not give a mask there), or a program that cannot run (the linears' forms not settled yet
-        for this row count: built again at a later step)."""
+        where the Python step runs it: the cache's first step (its buffers are made by the Python step) or a
+        program that cannot run (the linears' forms not settled yet for this row count: built again at a later
+        step). In the fast modes the program's attention is fastgen's CPU kernel, which the Python step's
+        attention also runs for one query row per (row, head) with the 4-D self-attention mask
+        (:func:`fastgen.ops.cpu_attention.supports`); :meth:`_compiled_step` checks the rest per step."""
         if compiled_step_off() or not all(layer.is_initialized for layer in cache.self_layers):
             return None
         if rows in self._programs:
@@ -121,7 +122,7 @@ class LeanStep:
         from fastgen.models.compiled_step import CompiledStep
 
         built = CompiledStep(self, self.attend, rows)
-        program = built if built.problem is None and not built.approximate else None
+        program = built if built.problem is None else None
         if program is not None or not built.retry:
             self._programs[rows] = program
         return program
@@ -135,6 +136,8 @@ class LeanStep:
         rows = ids.shape[0]
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dtype in (torch.bool, torch.float32)):
             return None
+        if program.approximate and mask is not None and not _kernel_takes_self_mask(mask, rows, cache):
+            return None  # the Python step's attention would leave this one to SDPA
         if not program.takes(rows, crosses[0].keys, cross_mask):
             return None
         layers = cache.self_layers
@@ -164,6 +167,21 @@ class LeanStep:
         query = query.view((*shape, -1, attention.head_dim)).transpose(1, 2)
         out, _ = self.attend(attention, query, key, value, mask, dropout=0.0, scaling=attention.scaling)
         return attention.out_proj(out.reshape(*shape, -1).contiguous())
+
+
+def _kernel_takes_self_mask(mask: torch.Tensor, rows: int, cache: SlotCache) -> bool:
+    """Whether fastgen's CPU attention takes this self-attention mask for the step's rows (as
+    :func:`fastgen.ops.cpu_attention.supports` decides for the Python step's call): 4-D, on the CPU, one row or
+    all of them, every head, one query, the slots in use."""
+    width = cache.self_layers[0].width
+    return (
+        mask.dim() == 4
+        and mask.device.type == "cpu"
+        and mask.shape[0] in (1, rows)
+        and mask.shape[1] == 1
+        and mask.shape[2] == 1
+        and mask.shape[3] == width
+    )
 
 
 def _residual(hidden: torch.Tensor, out: torch.Tensor, norm: Any, pre: bool) -> torch.Tensor:
