@@ -36,6 +36,7 @@ from fastgen.models._caches import hypothesis_rows
 from fastgen.models.decoder_only import SharedPrefixLayer
 from fastgen.models.graph_step import FULL_SHARE, GRAPHS_ENV, capture_attention, graphs_switched_off
 from fastgen.models.hooks import hooked
+from fastgen.models.lean_step import one_token_problem
 from fastgen.optimizer import report
 
 FEATURE = "lean_step"
@@ -270,14 +271,10 @@ class DecoderGraphStep:
         return logits, cache
 
     def _inputs_problem(self, model_inputs: dict[str, Any]) -> str | None:
-        unknown = set(model_inputs) - KNOWN_INPUTS
-        if unknown:
-            return f"model inputs {sorted(unknown)}"
-        ids = model_inputs.get("input_ids")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
-            return "not a one-token decode step"
-        if not model_inputs.get("use_cache"):
-            return "no cache"
+        problem = one_token_problem(model_inputs, KNOWN_INPUTS, "input_ids")
+        if problem is not None:
+            return problem
+        ids = model_inputs["input_ids"]
         if self.capture and (not ids.is_cuda or torch.cuda.is_current_stream_capturing()):
             return "inputs off the GPU"
         if model_inputs.get("logits_to_keep", 1) not in (0, 1):

@@ -140,6 +140,20 @@ def _project_cross(
     return key, value
 
 
+def one_token_problem(model_inputs: dict[str, Any], known: frozenset[str], ids_name: str) -> str | None:
+    """Why these model inputs are not a one-token decode step over a cache with inputs among ``known`` (None: they
+    are); ``ids_name``: the token ids' key."""
+    unknown = set(model_inputs) - known
+    if unknown:
+        return f"model inputs {sorted(unknown)}"
+    ids = model_inputs.get(ids_name)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+        return "not a one-token decode step"
+    if not model_inputs.get("use_cache"):
+        return "no cache"
+    return None
+
+
 def _shared_first_rows(ids: torch.Tensor, inputs: int) -> int:
     """How many consecutive rows of a first step share one input and one token (beam search's hypotheses before
     they differ): the rows per input where they all do, else 1."""
@@ -190,14 +204,9 @@ class LeanDecodeStep:
     @staticmethod
     def _one_token_problem(model_inputs: dict[str, Any]) -> str | None:
         """What every step the lean step runs needs: known inputs, one new token, a cache, encoder states."""
-        unknown = set(model_inputs) - KNOWN_INPUTS
-        if unknown:
-            return f"model inputs {sorted(unknown)}"
-        ids = model_inputs.get("decoder_input_ids")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
-            return "not a one-token decode step"
-        if not model_inputs.get("use_cache"):
-            return "no cache"
+        problem = one_token_problem(model_inputs, KNOWN_INPUTS, "decoder_input_ids")
+        if problem is not None:
+            return problem
         if getattr(model_inputs.get("encoder_outputs"), "last_hidden_state", None) is None:
             return "no encoder states"
         return None

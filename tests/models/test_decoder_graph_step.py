@@ -15,6 +15,7 @@ import torch
 import fastgen
 from fastgen.models import decoder_graph_step, graph_step
 from tests import harness
+from tests.models.test_graph_step import CASES  # the encoder-decoder static step's cases, for these families too
 
 pytestmark = harness.requires_feature("beam")
 
@@ -31,14 +32,6 @@ def static_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FASTGEN_LEAN_STEP", "1")
     monkeypatch.setattr(decoder_graph_step, "STATIC_ON_CPU", True)
 
-
-CASES = {
-    "beam4": dict(num_beams=4, max_new_tokens=8),
-    "beam3-ngram2-two-returned": dict(num_beams=3, no_repeat_ngram_size=2, num_return_sequences=2, max_new_tokens=8),
-    "beam4-early-eos": dict(num_beams=4, max_new_tokens=10, eos_token_id=[harness.EOS, 7, 11], length_penalty=0.5),
-    "greedy": dict(do_sample=False, max_new_tokens=9),
-    "sample": dict(do_sample=True, top_k=20, max_new_tokens=9),
-}
 
 #: in CI: the cases that exercise the most (n-gram bans, early EOS, padding; upstream's sampling loop)
 IN_CI = ("beam4-early-eos", "beam3-ngram2-two-returned", "sample")
