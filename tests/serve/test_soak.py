@@ -12,7 +12,11 @@ the process's threads, its resident memory and the Python heap's allocated block
 (``sys.getallocatedblocks``: every live Python object, tracked by the collector or not). Between those two
 points:
 
-- threads: none more (a thread per request or per group that never ends would show at once);
+- threads: none more in Python (a thread per request or per group that never ends would show at once), and at
+  most one more native thread: a thread's first parallel operation with more than one thread starts its OpenMP
+  team once, later than the warm-up if its first large operation comes late (seen twice in CI runs of the whole
+  suite, 23 -> 24 threads, Python threads unchanged; never when this test runs alone). A leak of native threads
+  per request or per group would add many;
 - Python blocks: fewer than 1,000 more. What is still referenced when the count is taken (the last
   requests' tasks, a kernel choice cached for a new batch shape) moves it by a few hundred either way;
   an object kept per request adds at least one block per request (1,800 in the CI size, 9,000 in the full
@@ -28,8 +32,10 @@ Every request must be answered 200 with its result (the right number of tokens).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
+import os
 import sys
 import threading
 import time
@@ -49,6 +55,14 @@ SETTINGS = [
     {"max_new_tokens": NEW_TOKENS, "num_beams": 2},
     {"max_new_tokens": NEW_TOKENS, "do_sample": True, "top_k": 20, "seed": 5},
 ]
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
+            names.append(comm.read().strip())
+    return names
 
 
 def proc_status(field: str) -> int:
@@ -103,6 +117,7 @@ async def measure(engine) -> dict[str, int]:
     gc.collect()
     return {
         "threads": proc_status("Threads"),
+        "thread_names": sorted(_thread_names()),  # which native threads, for a failure's message
         "python_threads": threading.active_count(),
         "blocks": sys.getallocatedblocks(),
         "rss_kib": proc_status("VmRSS"),
@@ -133,7 +148,7 @@ def test_no_growth_of_memory_or_threads(count: int) -> None:
     print(f"\n{count} requests: after warm-up {warm}, at the end {end}")
     assert stats.finished == count  # one input per request
     assert stats.failed == stats.cancelled == 0
-    assert end["threads"] <= warm["threads"]
+    assert end["threads"] <= warm["threads"] + 1, (warm["thread_names"], end["thread_names"])
     assert end["python_threads"] <= warm["python_threads"]
     assert end["blocks"] - warm["blocks"] < 1_000
     assert end["rss_kib"] - warm["rss_kib"] < 4 * 1024 + after_warm_up / 2
