@@ -40,7 +40,7 @@ older() {  # older FOLDER SPEC PYTEST_ARGS...: pytest on transformers SPEC
   fi
 }
 # Previous minor release: every fast path must still run there (-m fast_path asserts it through report()).
-older .venv-previous "transformers==${FASTGEN_PREVIOUS_TRANSFORMERS:-5.23.0}" -q -m "fast_path and not slow" \
+older .venv-previous "transformers==${FASTGEN_PREVIOUS_TRANSFORMERS:-5.24.0}" -q -m "fast_path and not slow" \
   -p no:cacheprovider "$@"
 # Oldest supported transformers: patches outside their tested range must skip and leave upstream intact.
 older .venv-oldest "transformers==5.15.1" -q -m "not slow" -p no:cacheprovider tests/test_harness.py tests/models \

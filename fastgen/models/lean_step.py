@@ -86,14 +86,14 @@ def _name(obj: Any) -> str:
 
 #: the Transformers releases whose decoder step this one reproduces (compared bit for bit in the tests);
 #: 5.23 and earlier build their masks and caches with other arguments
-TESTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))
+TESTED_TRANSFORMERS = (Version("5.24.0"), Version("5.26.0"))
 
 
 def model_problem(model: Any) -> str | None:
     """Why ``model``'s decode step must stay upstream's (None: the lean step reproduces it)."""
     installed = Version(transformers.__version__)
     if not TESTED_TRANSFORMERS[0] <= installed < TESTED_TRANSFORMERS[1]:
-        return f"Transformers {transformers.__version__} (the lean step reproduces 5.24's)"
+        return f"Transformers {transformers.__version__} (the lean step reproduces the decode step of 5.24 and 5.25)"
     family = FAMILIES.get(_name(model))
     if family is None:
         return "not a model class the lean step reproduces"

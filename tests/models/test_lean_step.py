@@ -228,7 +228,7 @@ def test_a_growing_layer_does_what_a_dynamic_layer_does(in_place, monkeypatch):
 def test_other_transformers_releases_keep_upstreams_forward(monkeypatch):
     monkeypatch.setattr(lean_step.transformers, "__version__", "5.23.0")
     reason = lean_step.model_problem(harness.tiny_hf_model("bart"))
-    assert reason == "Transformers 5.23.0 (the lean step reproduces 5.24's)"
+    assert reason == "Transformers 5.23.0 (the lean step reproduces the decode step of 5.24 and 5.25)"
 
 
 class _NewTensors(TorchDispatchMode):

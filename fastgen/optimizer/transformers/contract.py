@@ -10,8 +10,8 @@ installed release has a structure fastgen does not know. Patches declared with
 
 Inventory of the upstream surface of the Transformers features. For each: the feature, public or
 private (and why a private one stays), and the guard, the test that fails when it moves. Checked on
-5.18.0, 5.23.0 and 5.24.0; CI runs the whole suite on the newest release, the fast-path tests on
-5.23 and the skip check on 5.15.1 (``scripts/test.sh``).
+5.18.0, 5.23.0, 5.24.0 and 5.25.0; CI runs the whole suite on the newest release, the fast-path tests on
+5.24 and the skip check on 5.15.1 (``scripts/test.sh``).
 
 - The cache's name (:data:`CACHE`), all features. Renamed in 5.24; resolved here from
   ``generation.utils.ALL_CACHE_NAMES`` (private list) and the public output dataclasses, which must
@@ -74,7 +74,7 @@ import dataclasses
 import functools
 
 #: The newest Transformers release the fast paths were tested on, named when a newer one differs.
-NEWEST_TESTED = "5.24.0"
+NEWEST_TESTED = "5.25.0"
 
 #: Cache names fastgen knows, newest first.
 KNOWN_CACHE_NAMES = ("cache", "past_key_values")
