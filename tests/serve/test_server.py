@@ -172,3 +172,19 @@ def test_parameters_resolved_once_per_distinct_parameters(bart_server, monkeypat
     assert first.json()["results"][0]["sequences"] == second.json()["results"][0]["sequences"]
     assert statuses == [400, 400]
     assert len(calls) == 4  # body once, the other parameters once, the refused ones each time
+
+
+def test_startup_objects_are_frozen_while_serving():
+    """What exists when the server starts is out of the garbage collector's full passes while it serves (they
+    scanned the model and every imported library each time); stopping gives back the freeze it found."""
+    import gc
+
+    from tests.serve.conftest import bart, serving, word_tokenizer
+
+    before = gc.get_freeze_count()
+    with serving(bart(), word_tokenizer(True), batch_rows=8) as running:
+        assert gc.get_freeze_count() > before
+        body = {"inputs": ["w5 w6"], "parameters": {"max_new_tokens": 3}}
+        assert httpx.post(f"{running.url}/v1/generate", json=body, timeout=30).status_code == 200
+    if not before:  # no other server of this process froze anything
+        assert gc.get_freeze_count() == 0
