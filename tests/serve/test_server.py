@@ -5,6 +5,7 @@ ulps; sampling equal under the request's seed); the endpoints' errors and metric
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 
 import httpx
@@ -13,6 +14,7 @@ import torch
 
 import fastgen
 from tests import harness
+from tests.serve.conftest import bart, serving, word_tokenizer
 
 PARAMS = [
     {"max_new_tokens": 12},
@@ -177,10 +179,6 @@ def test_parameters_resolved_once_per_distinct_parameters(bart_server, monkeypat
 def test_startup_objects_are_frozen_while_serving():
     """What exists when the server starts is out of the garbage collector's full passes while it serves (they
     scanned the model and every imported library each time); stopping gives back the freeze it found."""
-    import gc
-
-    from tests.serve.conftest import bart, serving, word_tokenizer
-
     before = gc.get_freeze_count()
     with serving(bart(), word_tokenizer(True), batch_rows=8) as running:
         assert gc.get_freeze_count() > before
