@@ -52,6 +52,7 @@ constexpr int64_t kInt8Vnni = 2;
 constexpr int64_t kOrdered = 3;  // fastgen_cpu::ordered_linear with the order the exact mode's calibration chose
 constexpr int64_t kPacked = 4;   // mkldnn::_linear_pointwise with fast_gemm's packed weight
 constexpr int64_t kInt8Onednn = 5;  // the int8 mode's oneDNN product between fastgen's row passes
+constexpr int64_t kMklPacked = 6;   // fastgen_cpu::mkl_packed_linear with fast_gemm's MKL-packed weight
 
 bool fuses_activation(int64_t kind) { return kind == kInt8Amx || kind == kInt8Vnni || kind == kInt8Onednn; }
 // attention kinds
@@ -76,6 +77,14 @@ using OrderedOp = at::Tensor(const at::Tensor&, const at::Tensor&, const std::op
 const c10::TypedOperatorHandle<OrderedOp>& ordered_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("fastgen_cpu::ordered_linear", "").typed<OrderedOp>();
+  return op;
+}
+
+using MklPackedOp = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&);
+
+const c10::TypedOperatorHandle<MklPackedOp>& mkl_packed_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fastgen_cpu::mkl_packed_linear", "").typed<MklPackedOp>();
   return op;
 }
 
@@ -173,7 +182,7 @@ class DecoderStep : public torch::CustomClassHolder {
                   std::optional<at::Tensor> scale, std::optional<at::Tensor> col_sums, int64_t out_features,
                   int64_t activation, int64_t block, int64_t bias_at) {
     TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "DecoderStep: linear index");
-    TORCH_CHECK(kind >= kAtenLinear && kind <= kInt8Onednn, "DecoderStep: unknown linear kind");
+    TORCH_CHECK(kind >= kAtenLinear && kind <= kMklPacked, "DecoderStep: unknown linear kind");
     Linear& l = linears_[static_cast<size_t>(index)];
     l.kind = kind;
     l.weight = weight;
@@ -343,6 +352,7 @@ class DecoderStep : public torch::CustomClassHolder {
 
   static at::Tensor linear(const at::Tensor& x, const Linear& l) {
     if (l.kind == kAtenLinear) return at::linear(x, l.weight, l.bias);
+    if (l.kind == kMklPacked) return mkl_packed_op().call(x, l.weight, l.out_features, l.bias);
     if (l.kind == kPacked) {  // as fast_gemm calls it: the input as it is, no activation, no algorithm
       torch::jit::Stack stack{x, l.weight, l.bias, std::string("none"), c10::List<std::optional<c10::Scalar>>(),
                               std::optional<std::string>(std::string())};

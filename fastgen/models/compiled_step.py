@@ -15,7 +15,7 @@ It serves where every op of the step is one it reproduces:
   AMX or VNNI op, or oneDNN's product between fastgen's quantization and scaling passes), the activation
   fused into the scaling, fastgen's CPU attention where the Python step's attention takes it;
 * the ``fast_gemm`` mode: each linear in the form its timing kept for the row count (oneDNN with the packed
-  weight, or the exact mode's settled form), fastgen's CPU attention as in ``int8``;
+  weight, MKL's packed sgemm, or the exact mode's settled form), fastgen's CPU attention as in ``int8``;
 
 with no hooks on any module of the step, one activation kind, and a cross-attention mask that is absent or
 one row per input. Anything else (the symmetric grid, fbgemm's int8 weights, a blocked exact
@@ -35,7 +35,7 @@ from fastgen.ops import cpu_attention
 
 ENV = "FASTGEN_COMPILED_STEP"
 # the C++ class's linear kinds (csrc/cpu/decoder_step.cpp)
-_ATEN_LINEAR, _ORDERED, _PACKED = 0, 3, 4
+_ATEN_LINEAR, _ORDERED, _PACKED, _MKL_PACKED = 0, 3, 4, 6
 _INT8_KINDS = {"amx": 1, "vnni": 2, "onednn": 5}  # fastgen's own int8 ops; oneDNN's between fastgen's row passes
 _ATTENTION_SDPA, _ATTENTION_KERNEL = 0, 1
 NOT_CHOSEN = "an int8 weight before its first product"
@@ -125,7 +125,7 @@ def _settled_exact(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -
 
 def _packed_op(module: Any, rows: int) -> tuple[Any, ...] | str:
     """The C++ class's linear arguments for what ``fast_gemm`` runs for ``module`` at ``rows`` rows: oneDNN with the
-    packed weight, or the exact mode's settled form where its timing kept that, or why not."""
+    packed weight, MKL's packed sgemm, or the exact mode's settled form where its timing kept that, or why not."""
     from fastgen.ops import fast_linear
     from fastgen.optimizer import linear_modes
 
@@ -139,6 +139,8 @@ def _packed_op(module: Any, rows: int) -> tuple[Any, ...] | str:
         return NOT_SETTLED
     if form == "packed":
         return (_PACKED, fast_linear._packed.get(module), bias, None, None, weight.shape[0], 0, 0, 0)
+    if form == "mkl":
+        return (_MKL_PACKED, fast_linear._mkl_packed.get(module), bias, None, None, weight.shape[0], 0, 0, 0)
     return _settled_exact(weight, bias, rows)
 
 

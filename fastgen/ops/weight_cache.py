@@ -63,10 +63,12 @@ class DerivedWeights:
             weakref.WeakKeyDictionary()
         )
 
-    def _rebuild(self, module: torch.nn.Module) -> tuple[Stamp, tuple[int, ...], Any, int]:
+    def _rebuild(
+        self, module: torch.nn.Module, digest: tuple[int, ...] | None = None
+    ) -> tuple[Stamp, tuple[int, ...], Any, int]:
         with torch.no_grad():
             derived, size = self._build(module)
-            entry = (stamp(module.weight), fingerprint(module.weight), derived, size)
+            entry = (stamp(module.weight), fingerprint(module.weight) if digest is None else digest, derived, size)
         self._entries[module] = entry
         return entry
 
@@ -78,13 +80,22 @@ class DerivedWeights:
                 entry = self._rebuild(module)
         return entry[2]
 
-    def refresh(self, module: torch.nn.Module) -> int:
-        """Check stamp *and* content (rebuilding if either changed); returns the derived copy's bytes."""
+    def refresh(self, module: torch.nn.Module, digest: tuple[int, ...] | None = None) -> int:
+        """Check stamp *and* content (rebuilding if either changed); returns the derived copy's bytes. ``digest``:
+        the weight's :func:`fingerprint` where the caller took it already (two caches of one weight hash it once)."""
         with self._lock:
             entry = self._entries.get(module)
-            if entry is None or entry[0] != stamp(module.weight) or entry[1] != fingerprint(module.weight):
-                entry = self._rebuild(module)
+            if entry is None or entry[0] != stamp(module.weight):
+                entry = self._rebuild(module, digest)
+            else:
+                digest = fingerprint(module.weight) if digest is None else digest
+                if entry[1] != digest:
+                    entry = self._rebuild(module, digest)
             return entry[3]
+
+    def refresh_held(self, module: torch.nn.Module, digest: tuple[int, ...] | None = None) -> int:
+        """:meth:`refresh` where ``module`` has a derived copy already (0 bytes, and nothing built, where not)."""
+        return self.refresh(module, digest) if module in self._entries else 0
 
     def total_bytes(self) -> int:
         """Bytes held by every derived copy alive in this process."""

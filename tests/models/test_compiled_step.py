@@ -34,15 +34,25 @@ def _own_int8_kinds() -> list[str]:
 
 
 @pytest.fixture(
-    params=["int8-vnni", "int8-amx", "int8-onednn", "int8-mixed", "exact", "exact-ordered", "fast-packed", "fast-timed"]
+    params=[
+        "int8-vnni",
+        "int8-amx",
+        "int8-onednn",
+        "int8-mixed",
+        "exact",
+        "exact-ordered",
+        "fast-packed",
+        "fast-timed",
+        "fast-mkl",
+    ]
 )
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """The features of one mode the program reproduces: int8 on fastgen's own op of one kind (skipped where the CPU has
     none), on oneDNN, or mixed (``auto``'s choice at each weight's first product alternating between oneDNN and
     an own op, as on a CPU where each wins some shapes); the exact mode with its calibration settled at a step's
     first product (``exact-ordered``: every linear whose bits some order reproduces keeps the ordered kernel,
-    whatever the timings say); ``fast_gemm`` with every linear packed, or timed against the exact form at its
-    first product."""
+    whatever the timings say); ``fast_gemm`` with every linear packed, timed against the exact form at its
+    first product, or on MKL's packed sgemm wherever the timing offers it (``fast-mkl``)."""
     name = request.param
     if name.startswith("fast"):
         if fast_linear.unavailable() is not None:
@@ -52,6 +62,10 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(linear, "TRIAL_CALLS", 0)
         if name == "fast-packed":
             monkeypatch.setattr(fast_linear, "MAX_CALIBRATION_MACS", 0)  # never timed: packed
+        if name == "fast-mkl":
+            if fast_linear.mkl_unavailable() is not None:
+                pytest.skip(fast_linear.mkl_unavailable())
+            monkeypatch.setattr(fast_linear, "_kept", lambda choice: "mkl" if "mkl" in choice else min(choice))
         fast_linear.forget_packed()
         linear.forget_choices()
         yield ("fast_gemm",)
@@ -147,6 +161,19 @@ def test_the_compiled_step_returns_the_python_steps_bits(family, case, mode, mon
     python, _ = _generate(model, inputs, False, monkeypatch, features=mode, **CASES[case])
     compiled, report = _generate(model, inputs, True, monkeypatch, features=mode, **CASES[case])
     assert COMPILED in report.ran.get("lean_step", []), report
+    _assert_identical(compiled, python)
+
+
+@pytest.mark.parametrize("mode", ["fast-mkl"], indirect=True)
+def test_fast_gemm_on_mkls_packed_sgemm_runs_in_the_program(mode, monkeypatch):
+    """The program's MKL kind: every decoder product on MKL's packed sgemm, the Python step's bits."""
+    model = _model("bart")
+    inputs = harness.tiny_inputs(model, batch=3, length=10)
+    python, _ = _generate(model, inputs, False, monkeypatch, features=mode, num_beams=3, max_new_tokens=8)
+    compiled, report = _generate(model, inputs, True, monkeypatch, features=mode, num_beams=3, max_new_tokens=8)
+    assert COMPILED in report.ran.get("lean_step", []), report
+    kept = {fast_linear.settled_form(torch.empty(*key[:2]), key[2]) for key in fast_linear.choices()}
+    assert kept == {"mkl"}
     _assert_identical(compiled, python)
 
 

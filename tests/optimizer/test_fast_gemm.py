@@ -1,4 +1,5 @@
-"""The opt-in "fast_gemm" feature: oneDNN packed linears, close to upstream but not bit-identical.
+"""The opt-in "fast_gemm" feature: packed linears (oneDNN's, or MKL's packed sgemm), close to upstream but not
+bit-identical.
 
 What is asserted: it is off by default; when on, it runs for every plain CPU fp32 ``nn.Linear`` of
 the call and leaves the modules as they were; its logits stay within a few ulps of the step's
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import fastgen
-from fastgen.ops import fast_linear
+from fastgen.ops import cpu_kernels, fast_linear
 from fastgen.optimizer import linear_modes as fast_gemm
 from fastgen.optimizer import registry
 from tests import harness
@@ -121,31 +122,88 @@ def test_gpt2_conv1d_layers_run_packed_and_close():
     torch.testing.assert_close(result, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
 
 
-def _force_timings(monkeypatch, packed_ms: float, linear_ms: float) -> None:
+def _force_timings(monkeypatch, packed_ms: float, linear_ms: float, mkl_ms: float = 3.0) -> None:
     """Make the calibration see these timings (the choice logic is under test, not the machine)."""
 
     def fake_time_into(run, times, repeats=1):
         run()
-        times.append(packed_ms if "_run_packed" in run.__code__.co_names else linear_ms)
+        names = run.__code__.co_names
+        times.append(packed_ms if "_run_packed" in names else mkl_ms if "_run_mkl" in names else linear_ms)
 
     monkeypatch.setattr(fast_linear, "_time_into", fake_time_into)
 
 
-@pytest.mark.parametrize(("packed_ms", "linear_ms", "kept"), [(1.0, 2.0, "packed"), (2.0, 1.0, "linear")])
-def test_each_shape_keeps_the_faster_form(monkeypatch, packed_ms, linear_ms, kept):
+FORMS = [(1.0, 2.0, 3.0, "packed"), (2.0, 1.0, 3.0, "linear"), (2.0, 3.0, 1.0, "mkl")]
+
+
+@pytest.mark.parametrize(("packed_ms", "linear_ms", "mkl_ms", "kept"), FORMS)
+def test_each_shape_keeps_the_faster_form(monkeypatch, packed_ms, linear_ms, mkl_ms, kept):
+    mkl = fast_linear.mkl_unavailable() is None
+    if kept == "mkl" and not mkl:
+        pytest.skip(fast_linear.mkl_unavailable())
     fast_linear.forget_packed()
-    _force_timings(monkeypatch, packed_ms, linear_ms)
+    _force_timings(monkeypatch, packed_ms, linear_ms, mkl_ms)
     module = torch.nn.Linear(48, 130)
     x = torch.randn(6, 48)
     with torch.no_grad():
         for _ in range(fast_linear.CALIBRATE_AFTER + 2):
             result = fast_linear.packed_linear(module, x)
     (timed,) = fast_linear.choices().values()
-    assert timed == {"packed": packed_ms, "linear": linear_ms}
+    assert timed == {"packed": packed_ms, "linear": linear_ms} | ({"mkl": mkl_ms} if mkl else {})
+    assert fast_linear.settled_form(module.weight, 6) == kept
     if kept == "linear":  # upstream's op, bit for bit, once it measured faster
         assert torch.equal(result, F.linear(x, module.weight, module.bias))
+    elif kept == "mkl":
+        assert torch.equal(result, fast_linear._run_mkl(module, x))
     else:
         assert torch.equal(result, fast_linear._run_packed(module, x))
+    fast_linear.forget_packed()
+
+
+requires_mkl = pytest.mark.skipif(
+    not cpu_kernels.available() or fast_linear.mkl_unavailable() is not None,  # builds the kernels if need be
+    reason=str(cpu_kernels.unavailable_reason() or fast_linear.mkl_unavailable()),
+)
+
+
+@requires_mkl
+@pytest.mark.parametrize("shape", [(1, 48), (4, 48), (17, 48), (3, 1, 48), (2, 7, 48), (0, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mkl_packed_linear_close_to_f_linear(shape, bias):
+    module = torch.nn.Linear(48, 130, bias=bias)
+    x = torch.randn(shape)
+    before = None if module.bias is None else module.bias.detach().clone()
+    with torch.no_grad():
+        packed = torch.ops.fastgen_cpu.mkl_pack_weight(module.weight)
+        result = torch.ops.fastgen_cpu.mkl_packed_linear(x, packed, 130, module.bias)
+        expected = F.linear(x, module.weight, module.bias)
+    assert result.shape == expected.shape
+    torch.testing.assert_close(result, expected, atol=1e-5 * max([1.0, *expected.abs().flatten().tolist()]), rtol=1e-5)
+    if before is not None:  # the output starts as a copy of the bias, never the bias itself (one row included)
+        assert torch.equal(module.bias, before)
+
+
+@requires_mkl
+def test_mkl_packed_linear_refuses_a_weight_of_another_shape():
+    packed = torch.ops.fastgen_cpu.mkl_pack_weight(torch.randn(130, 48))
+    with pytest.raises(RuntimeError, match="packed form"):
+        torch.ops.fastgen_cpu.mkl_packed_linear(torch.randn(3, 64), packed, 130, None)
+
+
+@requires_mkl
+def test_the_mkl_copy_follows_writes_through_data(monkeypatch):
+    """A ``.data`` write moves neither version nor pointer: the content check at the next call rebuilds the copy."""
+    fast_linear.forget_packed()
+    _force_timings(monkeypatch, 2.0, 3.0, 1.0)  # MKL's form kept
+    module = torch.nn.Linear(48, 130)
+    x = torch.randn(20, 48)
+    with torch.no_grad():
+        fast_linear.packed_linear(module, x)
+        assert fast_linear.settled_form(module.weight, 20) == "mkl"
+        module.weight.data.mul_(-3)
+        fast_linear.prepack(module)  # what each generate call's scope does on entry
+        result = fast_linear.packed_linear(module, x)
+    torch.testing.assert_close(result, F.linear(x, module.weight, module.bias), atol=1e-4, rtol=1e-5)
     fast_linear.forget_packed()
 
 
@@ -171,4 +229,27 @@ def test_repeated_generate_calls_are_identical():
     with fastgen.patched([*DEFAULT_FEATURES, "fast_gemm"]):
         runs = [torch.stack(model.generate(**inputs, **kwargs).logits) for _ in range(4)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
+    fast_linear.forget_packed()
+
+
+@requires_mkl
+def test_both_copies_of_a_weight_are_checked_with_one_pass_over_it(monkeypatch):
+    from fastgen.ops import weight_cache
+
+    fast_linear.forget_packed()
+    _force_timings(monkeypatch, 2.0, 3.0, 1.0)
+    module = torch.nn.Linear(48, 130)
+    with torch.no_grad():
+        fast_linear.packed_linear(module, torch.randn(20, 48))  # the timing made both copies
+    calls = []
+    original = weight_cache.fingerprint
+
+    def counted(weight):
+        calls.append(weight)
+        return original(weight)
+
+    monkeypatch.setattr(fast_linear, "fingerprint", counted)
+    monkeypatch.setattr(weight_cache, "fingerprint", counted)
+    assert fast_linear.prepack(module) > 0
+    assert len(calls) == 1
     fast_linear.forget_packed()
