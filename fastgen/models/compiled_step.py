@@ -162,6 +162,29 @@ def _fastgen_sdpa(attend: Any) -> bool:
     return tuple(names) in _FASTGEN_SDPA
 
 
+def _same_op(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two linear argument tuples name the same op on the same tensors."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x is y:
+            continue
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (
+                isinstance(x, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and x.layout == y.layout == torch.strided  # oneDNN's packed weights: the same object or not the same
+                and x.data_ptr() == y.data_ptr()
+                and x.shape == y.shape
+                and x.stride() == y.stride()
+                and x.dtype == y.dtype
+            ):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
 class CompiledStep:
     """One ``generate`` call's C++ program, or the reason it cannot run (:attr:`problem`)."""
 
@@ -171,6 +194,8 @@ class CompiledStep:
         self.approximate = False
         self.rows: int | None = None  # the exact mode's program holds the forms calibrated for this many rows
         self.retry = False  # a linear has not settled its op yet: build again at the next step
+        self._linears: list[Any] = []
+        self._ops: list[tuple[Any, ...]] = []  # the arguments each linear was set with
         self.problem = self._build(lean, attend, rows)
 
     def _build(self, lean: Any, attend: Any, rows: int) -> str | None:
@@ -254,9 +279,25 @@ class CompiledStep:
         for index, op in enumerate(ops):
             program.set_linear(index, *op)
         self.rows = None if int8 else rows  # the exact and fast_gemm forms were chosen per row count
+        self._linears, self._ops = linears, ops
         self.approximate = approximate_mode
         self.program = program
         return None
+
+    def retarget(self, rows: int) -> bool:
+        """Point the program's linears at the forms settled for ``rows`` rows (the exact and fast_gemm forms are
+        chosen per row count), re-setting only those that differ: as inputs leave the batch, a new row count
+        mostly keeps every form, and building the program again cost ~1 ms each time. False where a form is not
+        settled or not one the program runs (the caller builds anew, which says why)."""
+        op_for = _packed_op if self.approximate else _exact_op
+        ops = [op_for(lin, rows) for lin in self._linears]
+        if any(isinstance(op, str) for op in ops):
+            return False
+        for index, (now, then) in enumerate(zip(ops, self._ops, strict=True)):
+            if not _same_op(now, then):
+                self.program.set_linear(index, *now)
+        self.rows, self._ops = rows, ops
+        return True
 
     def takes(self, rows: int, cross_keys: torch.Tensor, mask: Any, self_layers: list[Any] | None = None) -> bool:
         """Whether the program runs this step as the Python step would: autograd off, every self-attention layer

@@ -411,7 +411,10 @@ class LeanDecodeStep:
         settled its op, again when the exact mode's row count changes; why it cannot is noted once)."""
         compiled = self._compiled
         retry = compiled is not None and compiled.retry and self._compiled_tries < MAX_PROGRAM_TRIES
-        if compiled is None or retry or (compiled.rows is not None and compiled.rows != rows):
+        moved = compiled is not None and compiled.rows is not None and compiled.rows != rows
+        if moved and compiled.program is not None and compiled.retarget(rows):
+            moved = False
+        if compiled is None or retry or moved:
             compiled = self._compiled = CompiledStep(self, attend, rows)
             self._compiled_tries += 1
             if not compiled.retry and not self._compiled_noted:

@@ -340,3 +340,24 @@ def test_a_call_whose_linears_never_settle_stops_trying_and_keeps_the_python_ste
     assert len(builds) == 5
     assert COMPILED not in report.ran.get("lean_step", [])
     _assert_identical(ours, python)
+
+
+def test_a_new_row_count_re_sets_only_the_linears_whose_form_changed(monkeypatch):
+    """Inputs leaving the batch change the row count: the program keeps every linear whose settled form is the same
+    and is handed only the others; a form not settled yet makes the caller build anew."""
+    weights = [torch.randn(4, 4) for _ in range(3)]
+    forms = {16: ["a", "a", "a"], 12: ["a", "b", "a"], 8: ["a", "b", None]}
+
+    def fake_op(module, rows):
+        form = forms[rows][module]
+        return compiled_step.NOT_SETTLED if form is None else (0 if form == "a" else 3, weights[module].detach(), None)
+
+    monkeypatch.setattr(compiled_step, "_exact_op", fake_op)
+    calls = []
+    step = compiled_step.CompiledStep.__new__(compiled_step.CompiledStep)
+    step.program = type("Program", (), {"set_linear": lambda self, *args: calls.append(args)})()
+    step.approximate, step.rows, step._linears = False, 16, [0, 1, 2]
+    step._ops = [fake_op(i, 16) for i in range(3)]
+    assert step.retarget(12) and step.rows == 12
+    assert [args[0] for args in calls] == [1] and calls[0][1] == 3
+    assert not step.retarget(8)
