@@ -95,7 +95,7 @@ def add_mode_arg(group: argparse._ActionsContainer) -> None:
         choices=list(MODES),
         default=None,
         help="fastgen's mode for this run (as FASTGEN_MODE): exact (every default feature, tokens equal "
-        "upstream's), fast (and fp32 linears on oneDNN with packed weights, CPU) or int8 (and int8 linears, "
+        "upstream's), fast (and fp32 linears on packed weights, oneDNN or MKL, CPU) or int8 (and int8 linears, "
         "CPU); default: FASTGEN_MODE, else exact",
     )
 

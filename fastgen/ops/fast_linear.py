@@ -227,10 +227,13 @@ def settled_form(weight: torch.Tensor, rows: int) -> str | None:
 
 
 def prepack(module: torch.nn.Module) -> int:
-    """Pack ``module``'s weight now, checking its content (once per call), and refresh its MKL copy if it has one;
-    returns the copies' bytes."""
+    """Check the packed copies ``module`` holds against its weight's content (once per call: a ``.data`` write moves
+    no stamp), rebuilding any that changed; returns their bytes. A copy is made when its form first runs, so a
+    module holds only the forms its keys use."""
+    if not (_packed.holds(module) or _mkl_packed.holds(module)):
+        return 0
     digest = fingerprint(module.weight)  # one pass over the weight for both copies
-    return _packed.refresh(module, digest) + _mkl_packed.refresh_held(module, digest)
+    return _packed.refresh_held(module, digest) + _mkl_packed.refresh_held(module, digest)
 
 
 def packed_bytes() -> int:

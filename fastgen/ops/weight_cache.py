@@ -93,6 +93,9 @@ class DerivedWeights:
                     entry = self._rebuild(module, digest)
             return entry[3]
 
+    def holds(self, module: torch.nn.Module) -> bool:
+        return module in self._entries
+
     def refresh_held(self, module: torch.nn.Module, digest: tuple[int, ...] | None = None) -> int:
         """:meth:`refresh` where ``module`` has a derived copy already (0 bytes, and nothing built, where not)."""
         return self.refresh(module, digest) if module in self._entries else 0

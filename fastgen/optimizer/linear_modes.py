@@ -51,7 +51,7 @@ class LinearMode:
     """What a mode needs: its feature name, availability, per-module check, forward, weight preparation."""
 
     feature: str
-    what: str  # for the report: "on oneDNN with packed weights"
+    what: str  # for the report: "on packed weights (oneDNN or MKL)"
     unavailable: Callable[[], str | None]
     module_problem: Callable[[torch.nn.Module], str | None]
     forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
@@ -94,7 +94,7 @@ def forget_int8() -> None:
 
 FAST_GEMM = LinearMode(
     "fast_gemm",
-    "on oneDNN with packed weights",
+    "on packed weights (oneDNN or MKL)",
     fast_linear.unavailable,
     fast_linear.module_problem,
     _packed_forward,
@@ -240,7 +240,7 @@ def mode_linears(model: torch.nn.Module, mode: LinearMode, check_weights: bool =
 
 
 def packed_linears(model: torch.nn.Module, check_weights: bool = True) -> AbstractContextManager[None]:
-    """``fast_gemm``'s scope: the model's CPU fp32 linears on oneDNN with packed weights."""
+    """``fast_gemm``'s scope: the model's CPU fp32 linears on packed weights (oneDNN or MKL)."""
     return mode_linears(model, FAST_GEMM, check_weights)
 
 

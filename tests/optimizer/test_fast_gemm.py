@@ -253,3 +253,20 @@ def test_both_copies_of_a_weight_are_checked_with_one_pass_over_it(monkeypatch):
     assert fast_linear.prepack(module) > 0
     assert len(calls) == 1
     fast_linear.forget_packed()
+
+
+@requires_mkl
+def test_a_module_holds_only_the_packed_forms_its_keys_use(monkeypatch):
+    """Copies are made when a form first runs: after the timing kept MKL's form, another weight of the shape gets
+    MKL's copy only, and entering a call builds nothing."""
+    fast_linear.forget_packed()
+    _force_timings(monkeypatch, 2.0, 3.0, 1.0)
+    timed, other = torch.nn.Linear(48, 130), torch.nn.Linear(48, 130)
+    x = torch.randn(20, 48)
+    with torch.no_grad():
+        assert fast_linear.prepack(other) == 0  # nothing held yet: nothing built, nothing hashed
+        fast_linear.packed_linear(timed, x)  # the timing ran every form on this one
+        fast_linear.packed_linear(other, x)
+    assert fast_linear._packed.holds(timed) and fast_linear._mkl_packed.holds(timed)
+    assert not fast_linear._packed.holds(other) and fast_linear._mkl_packed.holds(other)
+    fast_linear.forget_packed()

@@ -85,7 +85,7 @@ PATCHES += [
 ]
 
 # ---------------------------------------------------------------------------- fast_gemm (opt-in)
-# Every CPU fp32 nn.Linear of the generator's models on oneDNN with packed weights: faster, not
+# Every CPU fp32 nn.Linear of the generator's models on packed weights (oneDNN or MKL): faster, not
 # bit-identical (fastgen.optimizer.fairseq.linear_modes). Stacks on beam's generate hook.
 PATCHES += [
     Patch(

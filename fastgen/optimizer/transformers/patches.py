@@ -170,7 +170,7 @@ PATCHES += [
 ]
 
 # ---------------------------------------------------------------------------- fast_gemm (opt-in)
-# Every CPU fp32 nn.Linear on oneDNN with packed weights: faster, not bit-identical
+# Every CPU fp32 nn.Linear on packed weights (oneDNN or MKL): faster, not bit-identical
 # (fastgen.optimizer.transformers.linear_modes, fastgen.ops.fast_linear). Off by default (OPT_IN_FEATURES).
 PATCHES += [
     Patch(
