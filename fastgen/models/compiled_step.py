@@ -105,18 +105,25 @@ def _exact_op(module: Any, rows: int) -> tuple[Any, ...] | str:
     weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
     if not exact:
         return (_ATEN_LINEAR, weight, bias, None, None, weight.shape[0], 0, 0, 0)
-    return _settled_exact(weight, bias, rows)
+    return _settled_exact(weight, bias, rows, module.weight)
 
 
-def _settled_exact(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> tuple[Any, ...] | str:
-    """The form :func:`fastgen.ops.linear.exact_linear` settled on for a ``rows``-row step (``F.linear`` or the
-    ordered kernel with its order), or why the program cannot run it yet."""
+def _settled_exact(
+    weight: torch.Tensor, bias: torch.Tensor | None, rows: int, parameter: torch.Tensor
+) -> tuple[Any, ...] | str:
+    """The form :func:`fastgen.ops.linear.exact_linear` settled on for a ``rows``-row step (``F.linear``, the
+    ordered kernel with its order, or MKL's packed sgemm on ``parameter``'s copy), or why the program cannot run
+    it yet."""
     from fastgen.ops import linear
 
     plain = (_ATEN_LINEAR, weight, bias, None, None, weight.shape[0], 0, 0, 0)
     choice = linear.settled_form(3, rows, weight, bias)
     if choice is None:
         return NOT_SETTLED
+    if choice.mkl:  # exact_linear's own fallback where no copy can be made: F.linear, the same bits
+        usable = linear.mkl_op() is not None and isinstance(parameter, torch.nn.Parameter)
+        packed = linear.mkl_packed(parameter) if usable else None
+        return plain if packed is None else (_MKL_PACKED, packed, bias, None, None, weight.shape[0], 0, 0, 0)
     dense = weight.is_contiguous() and (bias is None or bias.is_contiguous())
     if choice.order is None or not dense:  # exact_linear runs F.linear for a strided weight whatever the choice
         return plain if choice.block is None or not dense else "a blocked form of the exact linear"
@@ -141,7 +148,7 @@ def _packed_op(module: Any, rows: int) -> tuple[Any, ...] | str:
         return (_PACKED, fast_linear._packed.get(module), bias, None, None, weight.shape[0], 0, 0, 0)
     if form == "mkl":
         return (_MKL_PACKED, fast_linear._mkl_packed.get(module), bias, None, None, weight.shape[0], 0, 0, 0)
-    return _settled_exact(weight, bias, rows)
+    return _settled_exact(weight, bias, rows, module.weight)
 
 
 #: the attention the lean step gets in the fast modes: fastgen's beam-shared K/V wrapper (whose calls take

@@ -52,8 +52,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
-from fastgen.ops import cpu_kernels
+from fastgen import _env
+from fastgen.ops import cpu_kernels, weight_cache
 
 #: Column block sizes tried by the calibration (those smaller than the weight's row count).
 BLOCK_SIZES: tuple[int, ...] = (512, 1024, 2048, 4096)
@@ -83,6 +85,8 @@ ORDER_BLOCKS: tuple[int, ...] = (64, 96, 128, 192, 256, 320, 384, 448, 512)
 SCREEN_COLUMNS = 48
 #: ``FASTGEN_EXACT_KERNEL=0`` keeps the ordered kernel out of every calibration.
 ORDERED_ENV = "FASTGEN_EXACT_KERNEL"
+#: ``FASTGEN_MKL_PACKED=0``: no MKL packed-B candidate (here and in ``fast_gemm``)
+MKL_ENV = "FASTGEN_MKL_PACKED"
 BIAS_FIRST, BIAS_LAST = 0, 1
 
 Key = tuple[int, int, bool, int, int, int, int]
@@ -97,6 +101,7 @@ class Choice:
     times_ms: dict[str, float]  # median per candidate (identical ones only)
     not_identical: tuple[str, ...]  # candidates dropped because their bits differed
     order: tuple[int, int] | None = None  # the ordered kernel's (block, bias place)
+    mkl: bool = False  # MKL's packed-B sgemm on the weight's packed copy
     # while the kept candidate is timed in place against F.linear; then the trial's medians of both
     trial: _Trial | None = dataclasses.field(default=None, compare=False)
     in_place_ms: dict[str, float] | None = dataclasses.field(default=None, compare=False)
@@ -133,6 +138,7 @@ def _blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, b
 _background_load: list[threading.Thread] = []
 _F32 = torch.float32
 _loaded_op: dict[str, Callable[..., torch.Tensor]] = {}  # FASTGEN_EXACT_KERNEL's value -> the loaded op
+_mkl_op: list[Callable[..., torch.Tensor] | None] = []  # once the kernels are loaded: MKL's packed op, or None
 
 
 def ordered_kernel() -> Callable[..., torch.Tensor] | None:
@@ -158,6 +164,89 @@ def ordered_kernel() -> Callable[..., torch.Tensor] | None:
     if op is not None:
         _loaded_op[setting] = op
     return op
+
+
+def mkl_op() -> Callable[..., torch.Tensor] | None:
+    """``fastgen_cpu::mkl_packed_linear`` where it can run (the kernels loaded, torch exporting MKL's packed sgemm),
+    else None (never builds or waits)."""
+    if _env.switched_off(MKL_ENV) or ordered_kernel() is None:  # ordered_kernel(): the kernels are loaded
+        return None
+    if not _mkl_op:
+        ops = torch.ops.fastgen_cpu
+        available = hasattr(ops, "mkl_packed_linear") and bool(ops.mkl_sgemm_available())
+        _mkl_op.append(ops.mkl_packed_linear if available else None)
+    return _mkl_op[0]
+
+
+#: weight (a Parameter) -> (its stamp, its content fingerprint, its MKL-packed copy); a copy lives as long as
+#: its weight and is made only where a key's calibration proved the packed form identical and kept it
+_mkl_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_mkl_lock = threading.Lock()
+
+
+def _mkl_source(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` can hold a packed copy: a Parameter (the same object at every call, a weak key)."""
+    return isinstance(weight, torch.nn.Parameter)
+
+
+def mkl_packed(weight: torch.Tensor) -> torch.Tensor:
+    """The MKL-packed copy of ``weight`` (a Parameter): made at first use, made again when the weight's stamp moved
+    (a write through ``.data`` moves none: :func:`refresh_mkl_copies` compares the content once per call)."""
+    entry = _mkl_copies.get(weight)
+    if entry is None or entry[0] != weight_cache.stamp(weight):
+        with _mkl_lock, torch.no_grad():
+            packed = torch.ops.fastgen_cpu.mkl_pack_weight(weight.detach())
+            entry = (weight_cache.stamp(weight), weight_cache.fingerprint(weight), packed)
+            _mkl_copies[weight] = entry
+    return entry[2]
+
+
+def refresh_mkl_copies(weights: list[torch.Tensor]) -> None:
+    """Compare each held copy with its weight's content, re-packing those that changed (the exact scope calls this
+    once per ``generate`` call; weights without a copy cost a dictionary lookup)."""
+    for weight in weights:
+        entry = _mkl_copies.get(weight)
+        if entry is not None and (
+            entry[0] != weight_cache.stamp(weight) or entry[1] != weight_cache.fingerprint(weight)
+        ):
+            with _mkl_lock:
+                del _mkl_copies[weight]
+            mkl_packed(weight)
+
+
+def mkl_bytes() -> int:
+    """Bytes MKL allotted to the exact mode's packed copies (most of it never touched, see packed_sgemm.cpp)."""
+    return sum(entry[2].numel() for entry in list(_mkl_copies.values()))
+
+
+def _mkl_candidate(
+    x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reference: torch.Tensor
+) -> Callable[[], torch.Tensor] | bool | None:
+    """MKL's packed form for this call if it equals ``reference`` on the real input and on a random probe of the
+    same shape (as the orders are checked); None where it is not offered, False where its bits differed."""
+    op = mkl_op()
+    if op is None or not _mkl_source(weight):
+        return None
+    packed = mkl_packed(weight)
+    n = weight.shape[0]
+    generator = torch.Generator().manual_seed(1)
+    probe_x = torch.randn(x2.shape, generator=generator)
+    probe_b = None if bias is None else torch.randn(bias.shape, generator=generator)
+
+    def run() -> torch.Tensor:
+        return op(x2, packed, n, bias)
+
+    probe_reference = F.linear(probe_x, weight, probe_b)
+    if torch.equal(run(), reference) and torch.equal(op(probe_x, packed, n, probe_b), probe_reference):
+        return run
+    return False
+
+
+def _drop_unused_mkl_copy(weight: torch.Tensor) -> None:
+    """Give back ``weight``'s copy where no key of its shape keeps the packed form."""
+    if not any(c.mkl and k[1:3] == tuple(weight.shape) for k, c in list(_choices.items())):
+        with _mkl_lock:
+            _mkl_copies.pop(weight, None)
 
 
 def _orders(weight: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[int, int]]:
@@ -289,6 +378,11 @@ def calibrate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     x2 = x.reshape(-1, x.shape[-1])
     reference = result.reshape(x2.shape[0], weight.shape[0])
     candidates, not_identical, orders = _ordered_candidates(x2, weight, bias, reference)
+    mkl = _mkl_candidate(x2, weight, bias, reference)
+    if mkl is False:
+        not_identical.append("mkl")
+    elif mkl is not None:
+        candidates["mkl"] = mkl
     for block in BLOCK_SIZES:
         if block >= weight.shape[0]:
             continue
@@ -309,7 +403,10 @@ def calibrate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     best = pick(medians)
     block = int(best.removeprefix("blocked")) if best.startswith("blocked") else None
     trial = _Trial() if best != "linear" and TRIAL_CALLS > 0 else None
-    return Choice(best, block, medians, tuple(not_identical), orders.get(best), trial), result
+    choice = Choice(best, block, medians, tuple(not_identical), orders.get(best), best == "mkl", trial)
+    if mkl is not None and best != "mkl":
+        _drop_unused_mkl_copy(weight)
+    return choice, result
 
 
 def choice_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Choice | None:
@@ -353,6 +450,11 @@ def _run(
     if choice.order is not None:
         op = torch.ops.fastgen_cpu.ordered_linear
         return op(x2, weight, bias, *choice.order).reshape(*x.shape[:-1], weight.shape[0])
+    if choice.mkl:  # another weight of the key's shape that is no Parameter: F.linear, the same bits
+        op = mkl_op()
+        if op is None or not _mkl_source(weight):
+            return F.linear(x, weight, bias)
+        return op(x, mkl_packed(weight), weight.shape[0], bias)
     if choice.block is None:
         return F.linear(x, weight, bias)
     return _blocked(x2, weight, bias, choice.block).reshape(*x.shape[:-1], weight.shape[0])
@@ -378,6 +480,8 @@ def _on_trial(
                     else Choice("linear", None, choice.times_ms, choice.not_identical)
                 )
                 _choices[key] = dataclasses.replace(kept, trial=None, in_place_ms=medians)
+                if choice.mkl and not kept.mkl:
+                    _drop_unused_mkl_copy(weight)
     return result
 
 
@@ -399,10 +503,12 @@ _LINEAR = Choice("linear", None, {}, ())
 
 
 def forget_choices() -> None:
-    """Drop every remembered choice (tests; a process whose thread count or load changed for good)."""
+    """Drop every remembered choice and packed copy (tests; a process whose thread count or load changed for good)."""
     with _lock:
         _choices.clear()
         _seen.clear()
+    with _mkl_lock:
+        _mkl_copies.clear()
 
 
 def choices() -> dict[Key, Choice]:

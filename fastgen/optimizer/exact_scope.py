@@ -97,6 +97,7 @@ def exact_forwards(modules: list[torch.nn.Linear]) -> Iterator[None]:
                 module.forward = exact_forward(module)
             _installed[id(module)] = count + 1
             taken.append(module)
+    linear.refresh_mkl_copies([module.weight for module in taken])  # a .data write since the last call
     try:
         yield
     finally:

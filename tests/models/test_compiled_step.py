@@ -44,6 +44,7 @@ def _own_int8_kinds() -> list[str]:
         "fast-packed",
         "fast-timed",
         "fast-mkl",
+        "exact-mkl",
     ]
 )
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
@@ -51,7 +52,7 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     none), on oneDNN, or mixed (``auto``'s choice at each weight's first product alternating between oneDNN and
     an own op, as on a CPU where each wins some shapes); the exact mode with its calibration settled at a step's
     first product (``exact-ordered``: every linear whose bits some order reproduces keeps the ordered kernel,
-    whatever the timings say); ``fast_gemm`` with every linear packed, timed against the exact form at its
+    whatever the timings say; ``exact-mkl``: MKL's packed form wherever its bits are F.linear's); ``fast_gemm`` with every linear packed, timed against the exact form at its
     first product, or on MKL's packed sgemm wherever the timing offers it (``fast-mkl``)."""
     name = request.param
     if name.startswith("fast"):
@@ -92,6 +93,10 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
         return
     monkeypatch.setattr(linear, "CALIBRATE_AFTER", 1)
     monkeypatch.setattr(linear, "TRIAL_CALLS", 0)
+    if name == "exact-mkl":
+        if linear.mkl_op() is None:
+            pytest.skip("no MKL packed sgemm with fastgen's kernels here")
+        monkeypatch.setattr(linear, "pick", lambda medians: "mkl" if "mkl" in medians else "linear")
     if name == "exact-ordered":
         if linear.ordered_kernel() is None:
             pytest.skip("fastgen's ordered kernel is not loaded")
@@ -178,7 +183,7 @@ def test_fast_gemm_on_mkls_packed_sgemm_runs_in_the_program(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("mode", ["exact", "exact-ordered"], indirect=True)
+@pytest.mark.parametrize("mode", ["exact", "exact-ordered", "exact-mkl"], indirect=True)
 def test_the_exact_modes_compiled_step_equals_upstream(family, mode, monkeypatch, request):
     model = _model(family)
     inputs = harness.tiny_inputs(model, batch=3, length=10)
@@ -187,6 +192,8 @@ def test_the_exact_modes_compiled_step_equals_upstream(family, mode, monkeypatch
     assert COMPILED in report.ran.get("lean_step", []), report
     if request.node.callspec.params["mode"] == "exact-ordered":
         assert any(choice.order is not None for choice in linear.choices().values())
+    if request.node.callspec.params["mode"] == "exact-mkl":
+        assert any(choice.mkl for choice in linear.choices().values())
 
 
 def test_finished_inputs_leave_the_batch_under_the_compiled_step(mode, monkeypatch):
