@@ -52,8 +52,9 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     none), on oneDNN, or mixed (``auto``'s choice at each weight's first product alternating between oneDNN and
     an own op, as on a CPU where each wins some shapes); the exact mode with its calibration settled at a step's
     first product (``exact-ordered``: every linear whose bits some order reproduces keeps the ordered kernel,
-    whatever the timings say; ``exact-mkl``: MKL's packed form wherever its bits are F.linear's); ``fast_gemm`` with every linear packed, timed against the exact form at its
-    first product, or on MKL's packed sgemm wherever the timing offers it (``fast-mkl``)."""
+    whatever the timings say; ``exact-mkl``: MKL's packed form wherever its bits are F.linear's); ``fast_gemm``
+    with every linear packed, timed against the exact form at its first product, or on MKL's packed sgemm wherever
+    the timing offers it (``fast-mkl``)."""
     name = request.param
     if name.startswith("fast"):
         if fast_linear.unavailable() is not None:
