@@ -34,8 +34,14 @@ block size is fastest depends on the CPU, so nothing here is assumed:
   than MKL in the model). Both forms give the same bits, so switching changes no result;
 * later calls with the key run the kept form. The choice is remembered for the process.
 
-The candidates never copy the weight (column blocks of a row-major ``(N, K)`` weight are
-contiguous views), so the feature costs no memory beyond the output it returns.
+The ordered and blocked candidates never copy the weight (column blocks of a row-major ``(N, K)`` weight are
+contiguous views). One more candidate does: **MKL's packed form** (``fastgen_cpu::mkl_packed_linear``, MKL's own
+kernel on a weight packed once, so often ``F.linear``'s order of additions without the per-call packing), offered
+for a weight that is an ``nn.Parameter`` where fastgen's kernels are loaded and torch exports MKL's packed sgemm,
+and kept under the same rule (``torch.equal`` on the real input and on a random probe, then timed). Its packed
+copy lives while the weight does, is checked against the weight's content once per ``generate`` call
+(:func:`refresh_mkl_copies`, from the exact scope) and is given back where no key of its shape keeps the form.
+``FASTGEN_MKL_PACKED=0`` leaves it out.
 
 Anything but a plain CPU fp32 call (autograd, other dtypes or devices, non-contiguous input,
 tracing under ``torch.compile``) runs ``F.linear`` itself: :func:`exact_linear` is then exactly
