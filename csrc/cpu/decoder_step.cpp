@@ -80,7 +80,8 @@ const c10::TypedOperatorHandle<OrderedOp>& ordered_op() {
   return op;
 }
 
-using MklPackedOp = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&);
+using MklPackedOp =
+    at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&, int64_t);
 
 const c10::TypedOperatorHandle<MklPackedOp>& mkl_packed_op() {
   static const auto op =
@@ -126,7 +127,7 @@ struct Linear {
   std::optional<at::Tensor> bias;
   at::Tensor scale, col_sums;  // int8 only
   at::Tensor zero_points;      // oneDNN int8: the weight's zero points (all 0)
-  int64_t out_features = 0, activation = 0;  // activation: int8's fused code
+  int64_t out_features = 0, activation = 0;  // activation: the fused code (int8 kinds; MKL packed in fast_gemm)
   int64_t block = 0, bias_at = 0;            // ordered: the summation order
 };
 
@@ -309,7 +310,8 @@ class DecoderStep : public torch::CustomClassHolder {
     // feed-forward
     x = pre_norm_ ? norm(hidden, norms[2]) : hidden;
     at::Tensor inner = linear(x, lin[6]);
-    if (!fuses_activation(lin[6].kind)) inner = activate(inner);
+    const bool fused = fuses_activation(lin[6].kind) || (lin[6].kind == kMklPacked && lin[6].activation != 0);
+    if (!fused) inner = activate(inner);
     return sublayer(hidden, linear(inner, lin[7]), norms[2]);
   }
 
@@ -352,7 +354,7 @@ class DecoderStep : public torch::CustomClassHolder {
 
   static at::Tensor linear(const at::Tensor& x, const Linear& l) {
     if (l.kind == kAtenLinear) return at::linear(x, l.weight, l.bias);
-    if (l.kind == kMklPacked) return mkl_packed_op().call(x, l.weight, l.out_features, l.bias);
+    if (l.kind == kMklPacked) return mkl_packed_op().call(x, l.weight, l.out_features, l.bias, l.activation);
     if (l.kind == kPacked) {  // as fast_gemm calls it: the input as it is, no activation, no algorithm
       torch::jit::Stack stack{x, l.weight, l.bias, std::string("none"), c10::List<std::optional<c10::Scalar>>(),
                               std::optional<std::string>(std::string())};

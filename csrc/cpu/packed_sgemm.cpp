@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "int8_rows.h"
+
 extern "C" {
 size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
 void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k, float alpha, const float* src,
@@ -65,9 +67,19 @@ at::Tensor mkl_pack_weight(const at::Tensor& weight) {
   return packed;
 }
 
-// x (..., K) fp32; packed from mkl_pack_weight of an (out_features, K) weight; bias (out_features,) or none
+template <int64_t kAct>
+void activate_rows(float* y, int64_t count) {
+#pragma omp simd
+  for (int64_t i = 0; i < count; ++i) y[i] = fastgen_cpu::activate<kAct>(y[i]);
+}
+
+// x (..., K) fp32; packed from mkl_pack_weight of an (out_features, K) weight; bias (out_features,) or none;
+// activation: 0 none, 1 GELU (erf form, |error| < 1e-7 * |y|), 2 ReLU, 3 SiLU, applied to the output in place (the
+// fast_gemm mode's fc1 with its activation fused, as the int8 mode fuses it into its scaling pass)
 at::Tensor mkl_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                             const std::optional<at::Tensor>& bias) {
+                             const std::optional<at::Tensor>& bias, int64_t activation) {
+  TORCH_CHECK(activation >= fastgen_cpu::kNone && activation <= fastgen_cpu::kSilu,
+              "mkl_packed_linear: unknown activation ", activation);
   TORCH_CHECK(mkl_sgemm_available(), "mkl_packed_linear: this torch exports no MKL packed sgemm");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1,
               "mkl_packed_linear: x must be a float32 CPU tensor");
@@ -97,6 +109,20 @@ at::Tensor mkl_packed_linear(const at::Tensor& x, const at::Tensor& packed, int6
                         x2.data_ptr<float>(), static_cast<int>(k),
                         reinterpret_cast<const float*>(packed.data_ptr<uint8_t>() + kHeaderBytes), static_cast<int>(k), beta,
                         y.data_ptr<float>(), static_cast<int>(n));
+  float* data = y.data_ptr<float>();
+  switch (activation) {
+    case fastgen_cpu::kGelu:
+      activate_rows<fastgen_cpu::kGelu>(data, m * n);
+      break;
+    case fastgen_cpu::kRelu:
+      activate_rows<fastgen_cpu::kRelu>(data, m * n);
+      break;
+    case fastgen_cpu::kSilu:
+      activate_rows<fastgen_cpu::kSilu>(data, m * n);
+      break;
+    default:
+      break;
+  }
   return y.view(shape);
 }
 
@@ -105,7 +131,7 @@ at::Tensor mkl_packed_linear(const at::Tensor& x, const at::Tensor& packed, int6
 TORCH_LIBRARY_FRAGMENT(fastgen_cpu, lib) {
   lib.def("mkl_sgemm_available() -> bool", &mkl_sgemm_available);
   lib.def("mkl_pack_weight(Tensor weight) -> Tensor");
-  lib.def("mkl_packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  lib.def("mkl_packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, int activation=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastgen_cpu, CPU, lib) {

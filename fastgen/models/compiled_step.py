@@ -130,11 +130,11 @@ def _settled_exact(
     return (_ORDERED, weight, bias, None, None, weight.shape[0], 0, *choice.order)
 
 
-def _packed_op(module: Any, rows: int) -> tuple[Any, ...] | str:
+def _packed_op(module: Any, rows: int, fused: dict[int, Any] | None = None) -> tuple[Any, ...] | str:
     """The C++ class's linear arguments for what ``fast_gemm`` runs for ``module`` at ``rows`` rows: oneDNN with the
     packed weight, MKL's packed sgemm, or the exact mode's settled form where its timing kept that, or why not."""
     from fastgen.ops import fast_linear
-    from fastgen.optimizer import linear_modes
+    from fastgen.optimizer import fused_activation, linear_modes
 
     if linear_modes.installed(module) != linear_modes.FAST_GEMM.feature or not linear_modes._entered_here(module):
         return "a linear outside the fast_gemm mode"
@@ -146,8 +146,11 @@ def _packed_op(module: Any, rows: int) -> tuple[Any, ...] | str:
         return NOT_SETTLED
     if form == "packed":
         return (_PACKED, fast_linear._packed.get(module), bias, None, None, weight.shape[0], 0, 0, 0)
-    if form == "mkl":
-        return (_MKL_PACKED, fast_linear._mkl_packed.get(module), bias, None, None, weight.shape[0], 0, 0, 0)
+    if form == "mkl":  # fc1's activation in the op's own pass where the Python step fuses it so
+        entry = (fused or {}).get(id(module))
+        activation = entry[1] if entry is not None and fused_activation.may_fuse(module, entry[0]) else 0
+        packed = fast_linear._mkl_packed.get(module)
+        return (_MKL_PACKED, packed, bias, None, None, weight.shape[0], activation, 0, 0)
     return _settled_exact(weight, bias, rows, module.weight)
 
 
@@ -267,7 +270,7 @@ class CompiledStep:
             fused = linear_modes._fused_activations
             ops = [_int8_op(lin, fused) for lin in linears]
         elif approximate_mode:
-            ops = [_packed_op(lin, rows) for lin in linears]
+            ops = [_packed_op(lin, rows, linear_modes._fused_activations) for lin in linears]
         else:
             ops = [_exact_op(lin, rows) for lin in linears]
         reason = next((op for op in ops if isinstance(op, str)), None)
@@ -296,8 +299,10 @@ class CompiledStep:
         chosen per row count), re-setting only those that differ: as inputs leave the batch, a new row count
         mostly keeps every form, and building the program again cost ~1 ms each time. False where a form is not
         settled or not one the program runs (the caller builds anew, which says why)."""
-        op_for = _packed_op if self.approximate else _exact_op
-        ops = [op_for(lin, rows) for lin in self._linears]
+        from fastgen.optimizer import linear_modes
+
+        fused = linear_modes._fused_activations
+        ops = [_packed_op(lin, rows, fused) if self.approximate else _exact_op(lin, rows) for lin in self._linears]
         if any(isinstance(op, str) for op in ops):
             return False
         for index, (now, then) in enumerate(zip(ops, self._ops, strict=True)):

@@ -147,15 +147,27 @@ def _run_packed(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, _packed.get(module), module.bias, "none", [], "")
 
 
-def _run_mkl(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _run_mkl(module: torch.nn.Module, x: torch.Tensor, activation: int = 0) -> torch.Tensor:
     out_features = module.weight.shape[1] if is_conv1d(module) else module.weight.shape[0]
-    return torch.ops.fastgen_cpu.mkl_packed_linear(x, _mkl_packed.get(module), out_features, module.bias)
+    return torch.ops.fastgen_cpu.mkl_packed_linear(x, _mkl_packed.get(module), out_features, module.bias, activation)
 
 
-def _run(form: str, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if form == "packed":
-        return _run_packed(module, x)
-    return _run_mkl(module, x) if form == "mkl" else _exact(module, x)
+#: the activation codes (``int8_linear``'s GELU, RELU, SILU, which imports this module) as torch computes them:
+#: what the layer's own activation would run
+_TORCH_ACTIVATIONS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    1: torch.nn.functional.gelu,
+    2: torch.nn.functional.relu,
+    3: torch.nn.functional.silu,
+}
+
+
+def _run(form: str, module: torch.nn.Module, x: torch.Tensor, activation: int = 0) -> torch.Tensor:
+    """``module(x)`` in ``form``, then the fused activation (MKL's form applies it in its own pass; the others
+    through torch's op, the bits the layer's own activation would give)."""
+    if form == "mkl":
+        return _run_mkl(module, x, activation)
+    y = _run_packed(module, x) if form == "packed" else _exact(module, x)
+    return _TORCH_ACTIVATIONS[activation](y) if activation else y
 
 
 def _kept(choice: dict[str, float]) -> str:
@@ -171,7 +183,7 @@ def _time_into(run: Callable[[], torch.Tensor], times: list[float], repeats: int
     times.append((time.perf_counter() - start) * 1e3 / repeats)
 
 
-def _calibrate(key: Key, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _calibrate(key: Key, module: torch.nn.Module, x: torch.Tensor, activation: int = 0) -> torch.Tensor:
     """Time packed against upstream's op on ``x``; remember the medians; return the kept form's result."""
     forms = {"packed": lambda: _run_packed(module, x)}
     if mkl_unavailable() is None:
@@ -186,7 +198,7 @@ def _calibrate(key: Key, module: torch.nn.Module, x: torch.Tensor) -> torch.Tens
         for form in forms if round_ % 2 == 0 else reversed(forms):
             _time_into(forms[form], times[form], repeats)
     choice = _choices[key] = {form: sorted(values)[len(values) // 2] for form, values in times.items()}
-    return _run(_kept(choice), module, x)
+    return _run(_kept(choice), module, x, activation)
 
 
 def packed_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -200,21 +212,22 @@ def packed_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return faster_form(module, x)
 
 
-def faster_form(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def faster_form(module: torch.nn.Module, x: torch.Tensor, activation: int = 0) -> torch.Tensor:
     """``module(x)`` in the form timed faster for its key (packed until timed), for a call
-    :func:`runs_packed` admits (the caller has checked)."""
+    :func:`runs_packed` admits (the caller has checked); ``activation``: the layer's activation code, applied to the
+    result (an ``fc1`` whose activation the scope fuses)."""
     rows = x.numel() // x.shape[-1]
     key = (*module.weight.shape, rows, torch.get_num_threads())
     choice = _choices.get(key)
     if choice is None:
         seen = _seen[key] = _seen.get(key, 0) + 1
         if seen < CALIBRATE_AFTER or rows * module.weight.numel() > MAX_CALIBRATION_MACS:
-            return _run_packed(module, x)
+            return _run("packed", module, x, activation)
         with _lock:
             if key not in _choices:
-                return _calibrate(key, module, x)
+                return _calibrate(key, module, x, activation)
             choice = _choices[key]
-    return _run(_kept(choice), module, x)
+    return _run(_kept(choice), module, x, activation)
 
 
 def settled_form(weight: torch.Tensor, rows: int) -> str | None:

@@ -1,11 +1,14 @@
-"""The int8 mode's feed-forward activation, fused into the pass that scales ``fc1``'s output.
+"""The approximate modes' feed-forward activation, fused into ``fc1``'s own op.
 
 Why: BART-family layers compute ``activation_fn(fc1(x))``. In the int8 mode ``fc1``'s output already
 goes through one pass (row scales and bias, :func:`fastgen.ops.int8_linear.int8_linear`); applying GELU
 there instead of in a separate op saves a read and a write of the layer's widest buffer (bart-base's
 encoder: 1024 x 3072 floats per layer, ~3.5 ms of a ~0.75 s int8 ``generate`` each, one core).
 
-How, for one int8 scope (:func:`fastgen.optimizer.linear_modes.mode_linears`): each layer of a known
+The ``fast_gemm`` mode fuses it too: MKL's packed form applies it in a pass of its own op
+(``fastgen_cpu::mkl_packed_linear``), the other forms through torch's op in ``fc1``'s forward (the layer's own bits).
+
+How, for one int8 or fast_gemm scope (:func:`fastgen.optimizer.linear_modes.mode_linears`): each layer of a known
 class (:data:`LAYERS`, whose forward is exactly ``activation_fn(fc1(hidden_states))``) with an
 activation of a known kind gets, for the length of the scope, an ``activation_fn`` that passes through
 the one tensor its ``fc1`` just produced with the activation applied (remembered per thread) and applies
@@ -76,7 +79,7 @@ def fusable_layers(model: torch.nn.Module, served: list[torch.nn.Module]) -> lis
 
 
 class PassThroughFused(torch.nn.Module):
-    """Stands in for a layer's ``activation_fn`` during an int8 scope (module docstring)."""
+    """Stands in for a layer's ``activation_fn`` during an int8 or fast_gemm scope (module docstring)."""
 
     def __init__(self, original: torch.nn.Module) -> None:
         super().__init__()

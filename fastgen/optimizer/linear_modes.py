@@ -79,6 +79,9 @@ def _int8_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _packed_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not fast_linear.runs_packed(module.weight, x) or not _entered_here(module):
         return type(module).forward(module, x)
+    activation = _fused_activations.get(id(module))
+    if activation is not None and fused_activation.may_fuse(module, activation[0]):  # MKL's form: in its own pass
+        return fused_activation.remember_fused(fast_linear.faster_form(module, x, activation[1]))
     return fast_linear.faster_form(module, x)
 
 
@@ -201,11 +204,7 @@ def mode_linears(model: torch.nn.Module, mode: LinearMode, check_weights: bool =
         if check_weights:
             extra = sum(mode.prepare(module) for module in modules)
             report.note_ran(mode.feature, f"{len(modules)} linears {mode.what} ({extra / 2**20:.0f} MiB)")
-        fusable = (
-            dict((id(layer.fc1), (layer, code)) for layer, code in fused_activation.fusable_layers(model, modules))
-            if mode is INT8
-            else {}
-        )
+        fusable = {id(layer.fc1): (layer, code) for layer, code in fused_activation.fusable_layers(model, modules)}
         for module in modules:
             feature, count = _installed.get(id(module), (mode.feature, 0))
             if count == 0:

@@ -1,9 +1,9 @@
-"""The int8 mode's feed-forward activation fused into ``fc1``'s scaling pass (fastgen.optimizer.fused_activation).
+"""The approximate modes' feed-forward activation fused into ``fc1``'s op (fastgen.optimizer.fused_activation).
 
-What is asserted: the kernel's GELU, ReLU and SiLU equal torch's to float rounding; in int8 generation
-(BART: GELU, Marian: SiLU, Whisper: GELU) the fused path runs, changes no token and no score beyond
-float rounding against the unfused int8 path, and puts every layer's own activation module back; a hook
-on ``fc1`` turns the fusion off for it (the hook sees upstream's ``fc1`` output); the stand-in applies
+What is asserted: the kernels' GELU, ReLU and SiLU (int8's scaling pass, MKL's packed linear) equal torch's to float
+rounding; in int8 and fast_gemm generation (BART: GELU, Marian: SiLU, Whisper: GELU) the fused path runs, changes no
+token and no score beyond float rounding against the unfused path, and puts every layer's own activation module
+back; a hook on ``fc1`` turns the fusion off for it (the hook sees upstream's ``fc1`` output); the stand-in applies
 the original activation to any tensor but the one its ``fc1`` just produced.
 """
 
@@ -32,23 +32,39 @@ def test_kernel_activations_are_torch_to_float_rounding(code):
     torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-6)
 
 
-def _generate(model, inputs, fuse, monkeypatch, **kwargs):
+@needs_kernels
+@pytest.mark.parametrize("code", [fused_activation.GELU, fused_activation.RELU, fused_activation.SILU])
+def test_mkl_packed_activations_are_torch_to_float_rounding(code):
+    from fastgen.ops import linear
+
+    if linear.mkl_op() is None:
+        pytest.skip("no MKL packed sgemm here")
+    generator = torch.Generator().manual_seed(code)
+    x, w, b = (torch.randn(shape, generator=generator) for shape in ((37, 64), (300, 64), (300,)))
+    packed = torch.ops.fastgen_cpu.mkl_pack_weight(w)
+    fused = torch.ops.fastgen_cpu.mkl_packed_linear(x, packed, 300, b, code)
+    expected = int8_linear.ACTIVATIONS[code](torch.ops.fastgen_cpu.mkl_packed_linear(x, packed, 300, b))
+    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-6)
+
+
+def _generate(model, inputs, fuse, monkeypatch, mode="int8", **kwargs):
     if not fuse:
         monkeypatch.setattr(fused_activation, "fusable_layers", lambda model, served: [])
-    with fastgen.patched([*DEFAULT_FEATURES, "int8"]):
+    with fastgen.patched([*DEFAULT_FEATURES, mode]):
         out = model.generate(**inputs, **kwargs)
     monkeypatch.undo()
     return out
 
 
 @needs_kernels
+@pytest.mark.parametrize("mode", ["int8", "fast_gemm"])
 @pytest.mark.parametrize("family", ["bart", "marian", "whisper"])
-def test_fused_int8_generation_changes_nothing_beyond_rounding(family, monkeypatch):
+def test_fused_generation_changes_nothing_beyond_rounding(family, mode, monkeypatch):
     model = harness.tiny_hf_model(family)
     inputs = harness.tiny_log_mel(model.config) if family == "whisper" else harness.tiny_inputs(model, batch=3)
     activations = {id(layer): layer.activation_fn for layer in model.modules() if hasattr(layer, "fc1")}
     assert activations and all(fused_activation.activation_code(a) for a in activations.values())
-    kwargs = dict(num_beams=3, max_new_tokens=6, return_dict_in_generate=True, output_scores=True)
+    kwargs = dict(num_beams=3, max_new_tokens=6, return_dict_in_generate=True, output_scores=True, mode=mode)
     unfused = _generate(model, inputs, False, monkeypatch, **kwargs)
     fused_outputs = []
     real = fused_activation.remember_fused
