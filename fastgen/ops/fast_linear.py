@@ -27,8 +27,8 @@ The packed form is ``torch.ops.mkldnn._linear_pointwise`` with a weight from
 missing or oneDNN is unavailable, :func:`unavailable` says why and callers run ``F.linear``. Where torch
 carries MKL and fastgen's CPU kernels are loaded, the timing has a third form, ``"mkl"``: MKL's packed-B
 sgemm (``fastgen_cpu::mkl_packed_linear``, the weight packed once as CTranslate2 packs it; on an Intel Xeon
-15-18% faster than oneDNN's packed linear for a small BART's decoder products inside the step). Its copy is
-made for a module when one of its keys is timed; :func:`mkl_unavailable` says why it is not offered, and
+15-18% faster than oneDNN's packed linear for a small BART's decoder products inside the step). Each copy is
+made when its form first runs for the module; :func:`mkl_unavailable` says why MKL's is not offered, and
 ``FASTGEN_MKL_PACKED=0`` turns it off.
 """
 
@@ -42,10 +42,8 @@ import torch
 
 from fastgen import _env
 from fastgen.ops import cpu_kernels
-from fastgen.ops.linear import exact_linear
+from fastgen.ops.linear import MKL_ENV, exact_linear
 from fastgen.ops.weight_cache import DerivedWeights, fingerprint
-
-MKL_ENV = "FASTGEN_MKL_PACKED"
 
 #: The call of a key that times it against the exact form (1: the first, so every result of the key comes
 #: from one form; a later call would switch forms, and rounding, between identical calls).

@@ -175,9 +175,11 @@ def ordered_kernel() -> Callable[..., torch.Tensor] | None:
 def mkl_op() -> Callable[..., torch.Tensor] | None:
     """``fastgen_cpu::mkl_packed_linear`` where it can run (the kernels loaded, torch exporting MKL's packed sgemm),
     else None (never builds or waits)."""
-    if _env.switched_off(MKL_ENV) or ordered_kernel() is None:  # ordered_kernel(): the kernels are loaded
+    if _env.switched_off(MKL_ENV):
         return None
     if not _mkl_op:
+        if not cpu_kernels.loaded() and not cpu_kernels.available(build=False):
+            return None  # not remembered: the kernels may load later in the process
         ops = torch.ops.fastgen_cpu
         available = hasattr(ops, "mkl_packed_linear") and bool(ops.mkl_sgemm_available())
         _mkl_op.append(ops.mkl_packed_linear if available else None)
